@@ -1,0 +1,55 @@
+"""utils.models: shapes, parameter counts, causality, bad input; utils.data.patterned_tokens."""
+
+import math
+
+import pytest
+import torch
+
+from utils import data, models
+
+
+def test_mlp_is_the_seed_architecture():
+    mlp = models.MLP()
+    assert models.count_parameters(mlp) == 784 * 256 + 256 + 256 * 10 + 10
+    assert mlp(torch.randn(5, 1, 28, 28)).shape == (5, 10)
+
+
+def test_transformer_seed_sizes():
+    cfg = models.TransformerConfig()
+    assert (cfg.vocab_size, cfg.d_model, cfg.nhead, cfg.num_layers) == (50_000, 512, 8, 6)
+    with pytest.raises(ValueError, match="divisible"):
+        models.TransformerConfig(d_model=100, nhead=8)
+
+
+def test_transformer_shapes_and_causality():
+    torch.manual_seed(0)
+    model = models.TransformerModel(models.TransformerConfig(vocab_size=97, d_model=32, nhead=4, num_layers=2,
+                                                             dim_feedforward=64, dropout=0.0)).eval()
+    tokens = torch.randint(0, 97, (2, 10))
+    logits = model(tokens)
+    assert logits.shape == (2, 10, 97)
+    # changing a later token must not change earlier predictions (causal), but does change later ones
+    changed = tokens.clone()
+    changed[:, 7] = (changed[:, 7] + 1) % 97
+    with torch.no_grad():
+        again = model(changed)
+    torch.testing.assert_close(again[:, :7], logits[:, :7].detach())
+    assert not torch.allclose(again[:, 7:], logits[:, 7:].detach())
+
+
+def test_transformer_rejects_float_tokens():
+    model = models.TransformerModel(models.TransformerConfig(vocab_size=11, d_model=8, nhead=2, num_layers=1))
+    with pytest.raises(ValueError, match="int64"):
+        model(torch.randn(2, 3))
+
+
+def test_patterned_tokens_follow_the_rule():
+    gen = torch.Generator().manual_seed(0)
+    inputs, targets = data.patterned_tokens(64, 50, 1000, noise=0.1, generator=gen)
+    assert inputs.shape == targets.shape == (64, 50) and inputs.dtype == torch.int64
+    torch.testing.assert_close(inputs[:, 1:], targets[:, :-1])
+    follows = (targets == (31 * inputs + 7) % 1000).float().mean().item()
+    assert 0.85 < follows < 0.95  # 90% follow the rule (plus the rare random hit)
+    assert data.patterned_tokens_min_loss(1000, 0.1) < math.log(1000) / 4
+    with pytest.raises(ValueError):
+        data.patterned_tokens(1, 1, 10, noise=0.0)

@@ -1,0 +1,56 @@
+"""utils.plot: the table and chart shapes."""
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import pytest  # noqa: E402
+
+from utils import plot  # noqa: E402
+
+
+def test_table_aligns_columns(capsys):
+    rows = [{"variant": "eager", "ms": 1.23456}, {"variant": "compiled", "ms": 0.5}]
+    text = plot.format_table(rows, title="T")
+    lines = text.splitlines()
+    assert lines[0] == "T" and lines[1].startswith("variant") and "1.235" in text
+    assert lines[3] == "eager     1.235" and lines[4] == "compiled    0.5"  # text left, numbers right
+    assert plot.table(rows, title="T") is None
+    assert capsys.readouterr().out.strip() == text
+
+
+@pytest.mark.parametrize(("value", "text"), [(3350.0, "3,350"), (42.46, "42.5"), (0.0989, "0.099"), (0.0, "0")])
+def test_format_value(value, text):
+    assert plot.format_value(value) == text
+
+
+def test_table_rejects_ragged_rows():
+    with pytest.raises(ValueError, match="row 1"):
+        plot.table([{"a": 1}, {"b": 2}])
+    with pytest.raises(ValueError):
+        plot.table([])
+
+
+def test_bar_has_title_labels_and_reference(tmp_path):
+    fig = plot.bar(["eager", "fused"], [1.0, 3.0], ylabel="GB/s", title="Bandwidth", errors=[0.1, 0.2],
+                   reference=4.0, reference_label="copy peak", highlight=[1])
+    ax = fig.axes[0]
+    assert ax.get_title() == "Bandwidth" and ax.get_ylabel() == "GB/s"
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["copy peak"]
+    assert ax.patches[0].get_facecolor() != ax.patches[1].get_facecolor()  # the highlighted bar stands out
+    fig.savefig(tmp_path / "bar.png")
+    assert (tmp_path / "bar.png").stat().st_size > 1000
+
+
+def test_bar_rejects_mismatched_lengths():
+    with pytest.raises(ValueError):
+        plot.bar(["a"], [1.0, 2.0], ylabel="y", title="t")
+
+
+def test_curves_draws_each_series():
+    fig = plot.curves({"a": ([1, 2, 4], [1, 2, 3]), "b": ([1, 2, 4], [3, 2, 1])}, xlabel="size (bytes)",
+                      ylabel="GB/s", title="Sweep", logx=True, hlines={"peak": 4.0})
+    ax = fig.axes[0]
+    assert len(ax.get_lines()) == 3 and ax.get_xscale() == "log" and ax.get_xlabel() == "size (bytes)"
+    with pytest.raises(ValueError, match="series 'c'"):
+        plot.curves({"c": ([1, 2], [1])}, xlabel="x", ylabel="y", title="t")

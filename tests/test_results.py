@@ -1,0 +1,28 @@
+"""utils.results: recording headline figures."""
+
+import math
+
+import pytest
+import torch
+
+from utils import results
+
+
+def test_record_keeps_and_prints_the_figure(capsys):
+    results.record("copy_gbps", 1234.5, "GB/s")
+    assert results.RECORDED["copy_gbps"] == results.Result("copy_gbps", 1234.5, "GB/s")
+    assert "copy_gbps = 1234 GB/s" in capsys.readouterr().out.replace("1.234e+03", "1234")
+
+
+def test_record_accepts_tensor_scalars():
+    results.record("speedup", torch.tensor(2.5), "x")
+    assert results.RECORDED["speedup"].value == 2.5
+
+
+@pytest.mark.parametrize(("name", "value", "unit"), [
+    ("Copy GBps", 1.0, "GB/s"), ("", 1.0, "GB/s"), ("ok_name", math.nan, "GB/s"), ("ok_name", math.inf, "x"),
+    ("ok_name", "fast", "x"), ("ok_name", True, "x"), ("ok_name", 1.0, ""), ("ok_name", 1.0, "  "),
+])
+def test_record_rejects_bad_figures(name, value, unit):
+    with pytest.raises(ValueError):
+        results.record(name, value, unit)

@@ -1,0 +1,113 @@
+"""tools/: the stamp hash, the reference-run tool (on CPU, --allow-cpu) and README's generated tables."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import nbformat
+import pytest
+
+from tools import course, readme_tables, reference_run
+
+
+def _notebook(*code_cells: str, markdown: str = "# 99 · Test") -> nbformat.NotebookNode:
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_markdown_cell(markdown)] + [nbformat.v4.new_code_cell(c) for c in code_cells]
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    return nb
+
+
+def test_sources_sha256_follows_the_documented_formula():
+    nb = _notebook("x = 1\ny = 2", "print(x)")
+    expected = hashlib.sha256(json.dumps(
+        [["markdown", "# 99 · Test"], ["code", "x = 1\ny = 2"], ["code", "print(x)"]]).encode()).hexdigest()
+    assert course.sources_sha256(nb) == expected
+    # a list-of-lines source hashes like the joined string; outputs do not count
+    nb.cells[1].source = ["x = 1\n", "y = 2"]
+    nb.cells[2].outputs = [nbformat.v4.new_output("stream", text="1\n")]
+    assert course.sources_sha256(nb) == expected
+    nb.cells[2].source = "print(y)"
+    assert course.sources_sha256(nb) != expected
+
+
+def test_colab_url_points_at_the_notebook():
+    path = course.NOTEBOOK_DIR / "00_install_check.ipynb"
+    assert course.colab_url(path) == (
+        f"https://colab.research.google.com/github/{course.repo_slug()}/blob/main/notebooks/00_install_check.ipynb")
+
+
+RECORDING_CELL = (
+    "import sys\n"
+    f"sys.path.insert(0, {str(course.ROOT)!r})\n"
+    "import utils\n"
+    "utils.results.record('answer_gbps', 42.5, 'GB/s')\n"
+    "utils.results.record('speedup', 2.0, 'x')"
+)
+
+
+def test_reference_run_executes_stamps_and_collects(tmp_path, capsys):
+    path = tmp_path / "99_test.ipynb"
+    nbformat.write(_notebook(RECORDING_CELL), path)
+    results_dir = tmp_path / "results"
+    assert reference_run.main([str(path), "--allow-cpu", "--results-dir", str(results_dir)]) == 0
+
+    nb = nbformat.read(path, as_version=4)
+    stamp = nb.metadata["reference_run"]
+    assert stamp["sources_sha256"] == course.sources_sha256(nb)
+    assert stamp["gpu"] == "cpu" and set(stamp) == {"sources_sha256", "gpu", "torch", "cuda", "date"}
+    assert course.has_outputs(nb)
+    figures = json.loads((results_dir / "cpu.json").read_text())
+    assert figures == {"99_test": {"answer_gbps": {"value": 42.5, "unit": "GB/s"},
+                                   "speedup": {"value": 2.0, "unit": "x"}}}
+    assert "ok 99_test.ipynb" in capsys.readouterr().out
+
+
+def test_reference_run_leaves_a_failing_notebook_untouched(tmp_path):
+    path = tmp_path / "98_fail.ipynb"
+    nbformat.write(_notebook("raise ValueError('wrong result')"), path)
+    before = path.read_text()
+    failed = tmp_path / "failed"
+    assert reference_run.main([str(path), "--allow-cpu", "--results-dir", str(tmp_path / "r"),
+                               "--failed-dir", str(failed)]) == 1
+    assert path.read_text() == before
+    assert "wrong result" in (failed / "98_fail.ipynb").read_text()
+    assert not (tmp_path / "r").exists()
+
+
+def test_reference_run_refuses_cpu_without_the_flag(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="no CUDA GPU"):
+        reference_run.machine_stamp(allow_cpu=False)
+
+
+def test_merge_results_keeps_other_notebooks(tmp_path):
+    reference_run.merge_results("h100", "00_a", {"x": {"value": 1.0, "unit": "s"}}, tmp_path)
+    reference_run.merge_results("h100", "01_b", {"y": {"value": 2.0, "unit": "s"}}, tmp_path)
+    reference_run.merge_results("h100", "00_a", {"z": {"value": 3.0, "unit": "s"}}, tmp_path)
+    assert json.loads((tmp_path / "h100.json").read_text()) == {
+        "00_a": {"z": {"value": 3.0, "unit": "s"}}, "01_b": {"y": {"value": 2.0, "unit": "s"}}}
+
+
+def test_readme_tables_render_headlines_from_results(tmp_path):
+    (tmp_path / "h100.json").write_text(json.dumps({"00_install_check": {
+        "matmul_tflops_bf16": {"value": 712.3, "unit": "TFLOP/s"}, "copy_gbps": {"value": 2950.0, "unit": "GB/s"}}}))
+    readme = ("intro\n<!-- notebooks:start -->\nold\n<!-- notebooks:end -->\n"
+              "<!-- results:start -->\nold\n<!-- results:end -->\n")
+    text = readme_tables.render(readme, tmp_path)
+    assert "bf16 matmul 712 TFLOP/s · copy 2,950 GB/s" in text
+    assert "| h100 | 00_install_check | `copy_gbps` | 2,950 GB/s |" in text
+    assert "old" not in text and text.startswith("intro\n")
+
+
+def test_readme_tables_need_their_markers():
+    with pytest.raises(ValueError, match="markers"):
+        readme_tables.render("no markers here")
+
+
+def test_headline_for_a_notebook_not_yet_run():
+    assert readme_tables.headline("00_install_check", None) == "not yet run on the reference GPU"
+    with pytest.raises(KeyError, match="add '77_unknown'"):
+        readme_tables.headline("77_unknown", {})

@@ -1,0 +1,140 @@
+"""Generate README's notebook table and results table from the notebooks and ``results/*.json``.
+
+    python -m tools.readme_tables          # rewrite the two tables in README.md
+    python -m tools.readme_tables --check  # exit 1 if README.md is out of date (a test runs this)
+
+The tables live between ``<!-- notebooks:start -->`` / ``<!-- notebooks:end -->`` and ``<!-- results:start -->`` /
+``<!-- results:end -->``. Headline figures come only from results files written by the reference run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+import nbformat
+
+from tools import course
+
+README = course.ROOT / "README.md"
+RESULTS_DIR = course.ROOT / "results"
+REFERENCE_GPU = "h100"  # the slug of the GPU whose figures the notebook table shows
+
+# What each notebook teaches in a phrase, and its headline: a format string over its recorded figures.
+NOTEBOOKS: dict[str, tuple[str, str]] = {
+    "00_install_check": (
+        "versions, GPU properties, capabilities, measured matmul and copy peaks vs datasheets",
+        "bf16 matmul {matmul_tflops_bf16:.0f} TFLOP/s · copy {copy_gbps:,.0f} GB/s",
+    ),
+    "01_device_management": (
+        "devices, asynchronous execution and honest timing, pinned memory, streams, map_location",
+        "H2D pinned {h2d_pinned_gbps:.1f} vs pageable {h2d_pageable_gbps:.1f} GB/s · "
+        "copy/compute overlap {stream_overlap_speedup:.2f}×",
+    ),
+    "02_training_loop": (
+        "the seed MNIST loop made fast: data pipeline, host syncs, GPU-resident data, checkpoints",
+        "epoch {epoch_s_seed_loop:.3f} s → {epoch_s_optimized:.4f} s at "
+        "{test_accuracy_optimized:.1f}% test accuracy",
+    ),
+    "03_mixed_precision": (
+        "torch.amp autocast, GradScaler, fp16 vs bf16 on a Transformer LM",
+        "step {step_ms_fp32:.0f} ms fp32 → {step_ms_bf16:.0f} ms bf16",
+    ),
+    "04_torch_compile": (
+        "what torch.compile fuses, what it costs, graph breaks, recompiles, when it does not help",
+        "train step {compile_speedup_train_best:.2f}× (best mode), compile {compile_time_s_default:.0f} s",
+    ),
+    "06_custom_kernels": (
+        "one fused op in Triton and CUDA C++, registered with torch.library, vs the memory limit",
+        "{fused_gbps_triton:,.0f} GB/s Triton · {speedup_vs_eager:.1f}× eager",
+    ),
+}
+
+
+def notebook_title(path: Path) -> str:
+    """The topic from the title cell's first line, '# NN · Topic'."""
+    first = course.cell_source(nbformat.read(path, as_version=4).cells[0]).splitlines()[0]
+    match = re.match(r"^#\s*\d\d\s*·\s*(.+)$", first)
+    return match.group(1).strip() if match else first.lstrip("# ").strip()
+
+
+def load_results(results_dir: Path = RESULTS_DIR) -> dict[str, dict[str, dict[str, dict[str, object]]]]:
+    """``{gpu slug: {notebook stem: {name: {"value", "unit"}}}}`` from every results file."""
+    return {p.stem: json.loads(p.read_text()) for p in sorted(results_dir.glob("*.json"))}
+
+
+def headline(stem: str, figures: dict[str, dict[str, object]] | None) -> str:
+    if stem not in NOTEBOOKS:
+        raise KeyError(f"tools/readme_tables.py: add {stem!r} to NOTEBOOKS (what it teaches, its headline)")
+    if not figures:
+        return "not yet run on the reference GPU"
+    values = {name: fig["value"] for name, fig in figures.items()}
+    try:
+        return NOTEBOOKS[stem][1].format(**values)
+    except KeyError as missing:
+        return f"(figure {missing} not recorded)"
+
+
+def notebooks_table(results: dict) -> str:
+    reference = results.get(REFERENCE_GPU, {})
+    rows = ["| # | Topic | What you learn | Open | Headline on the reference GPU (H100) |",
+            "|---|---|---|---|---|"]
+    for path in course.notebooks():
+        stem = path.stem
+        rel = path.relative_to(course.ROOT).as_posix()
+        rows.append(f"| {stem[:2]} | [{notebook_title(path)}]({rel}) | {NOTEBOOKS.get(stem, ('?',))[0]} | "
+                    f"[![Open In Colab]({course.COLAB_BADGE_IMAGE})]({course.colab_url(path)}) | "
+                    f"{headline(stem, reference.get(stem))} |")
+    return "\n".join(rows)
+
+
+def results_table(results: dict) -> str:
+    if not results:
+        return "No reference run has been recorded yet."
+    rows = ["| GPU | Notebook | Figure | Value |", "|---|---|---|---|"]
+    for gpu, by_notebook in results.items():
+        for stem, figures in by_notebook.items():
+            for name, fig in figures.items():
+                rows.append(f"| {gpu} | {stem} | `{name}` | {fig['value']:,.4g} {fig['unit']} |")
+    return "\n".join(rows)
+
+
+def render(readme_text: str, results_dir: Path = RESULTS_DIR) -> str:
+    """README text with both generated tables replaced."""
+    results = load_results(results_dir)
+    for key, body in (("notebooks", notebooks_table(results)), ("results", results_table(results))):
+        pattern = re.compile(rf"(<!-- {key}:start -->\n).*?(<!-- {key}:end -->)", re.S)
+        if not pattern.search(readme_text):
+            raise ValueError(f"README.md lacks the <!-- {key}:start --> / <!-- {key}:end --> markers")
+        readme_text = pattern.sub(lambda m, body=body: m.group(1) + body + "\n" + m.group(2), readme_text)
+    return readme_text
+
+
+def write_readme() -> bool:
+    """Rewrite README.md's tables; True if it changed."""
+    old = README.read_text()
+    new = render(old)
+    if new != old:
+        README.write_text(new)
+    return new != old
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Regenerate README.md's notebook and results tables.")
+    parser.add_argument("--check", action="store_true", help="exit 1 if README.md is out of date")
+    args = parser.parse_args(argv)
+    if args.check:
+        current = README.read_text()
+        if render(current) != current:
+            print("README.md tables are out of date: run python -m tools.readme_tables", file=sys.stderr)
+            return 1
+        return 0
+    print("README.md updated" if write_readme() else "README.md already up to date")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

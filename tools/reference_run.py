@@ -1,0 +1,124 @@
+"""Reference run: execute notebooks in place on this machine's GPU, stamp them, collect their headline figures.
+
+    python -m tools.reference_run                      # every notebook
+    python -m tools.reference_run notebooks/00_*.ipynb # some of them
+
+For each notebook, in reading order: execute it with nbclient (working directory notebooks/, like nbmake and
+JupyterLab), and only if every cell succeeded write it back in place with the stamp
+
+    metadata.reference_run = {"sources_sha256", "gpu", "torch", "cuda", "date"}
+
+where ``sources_sha256`` hashes every cell's type and source (``tools.course.sources_sha256``), so a test can
+tell when the outputs no longer belong to the sources. Every figure the notebook passed to
+``utils.results.record`` is read from its outputs and written to ``results/<gpu>.json`` as
+``{notebook stem: {name: {"value", "unit"}}}``; then README's tables are regenerated.
+
+A failed notebook is left untouched (its partial run goes to --failed-dir if given) and the exit status is 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import sys
+import time
+from pathlib import Path
+
+import nbformat
+from nbclient import NotebookClient
+from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
+
+from tools import course, readme_tables
+from utils.results import MIME_TYPE
+
+RESULTS_DIR = course.ROOT / "results"
+
+
+def machine_stamp(allow_cpu: bool) -> tuple[dict[str, str], str]:
+    """The stamp's machine fields and the results file's slug, read off this machine's torch."""
+    import torch
+
+    from utils.env import gpu_slug
+
+    if torch.cuda.is_available():
+        gpu = torch.cuda.get_device_name(0)
+        slug = gpu_slug(gpu)
+    elif allow_cpu:
+        gpu, slug = "cpu", "cpu"
+    else:
+        raise SystemExit("reference_run: no CUDA GPU visible. Reference runs are GPU runs; "
+                         "pass --allow-cpu to stamp a CPU run anyway.")
+    stamp = {"gpu": gpu, "torch": torch.__version__, "cuda": torch.version.cuda or "none",
+             "date": dt.datetime.now(dt.UTC).date().isoformat()}
+    return stamp, slug
+
+
+def recorded_results(nb) -> dict[str, dict[str, object]]:
+    """Every figure ``utils.results.record`` displayed in an executed notebook, in order (last one wins)."""
+    found: dict[str, dict[str, object]] = {}
+    for cell in nb.cells:
+        for output in cell.get("outputs", []):
+            payload = output.get("data", {}).get(MIME_TYPE)
+            if payload is not None:
+                found[payload["name"]] = {"value": payload["value"], "unit": payload["unit"]}
+    return found
+
+
+def execute(path: Path, *, cell_timeout: int, failed_dir: Path | None):
+    """Run one notebook top to bottom; return the executed notebook, or None if a cell failed."""
+    nb = nbformat.read(path, as_version=4)
+    client = NotebookClient(nb, timeout=cell_timeout, kernel_name="python3",
+                            resources={"metadata": {"path": str(path.parent)}})
+    try:
+        client.execute()
+    except (CellExecutionError, CellTimeoutError, DeadKernelError) as err:
+        print(f"FAILED {path.name}: {str(err).strip()[-3000:]}", file=sys.stderr)
+        if failed_dir is not None:
+            failed_dir.mkdir(parents=True, exist_ok=True)
+            nbformat.write(nb, failed_dir / path.name)
+        return None
+    return nb
+
+
+def merge_results(slug: str, stem: str, figures: dict[str, dict[str, object]], results_dir: Path) -> Path:
+    """Replace this notebook's entry in ``results/<slug>.json`` (other notebooks' entries stay)."""
+    results_dir.mkdir(parents=True, exist_ok=True)
+    path = results_dir / f"{slug}.json"
+    data = json.loads(path.read_text()) if path.exists() else {}
+    data[stem] = figures
+    path.write_text(json.dumps(dict(sorted(data.items())), indent=2) + "\n")
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Execute notebooks on this GPU, stamp them, collect results.")
+    parser.add_argument("notebooks", nargs="*", type=Path, help="default: every notebook, in order")
+    parser.add_argument("--cell-timeout", type=int, default=900, help="seconds one cell may take (default 900)")
+    parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--failed-dir", type=Path, help="write partially executed failed notebooks here")
+    parser.add_argument("--allow-cpu", action="store_true", help="stamp a run on a machine without a GPU")
+    args = parser.parse_args(argv)
+
+    stamp, slug = machine_stamp(args.allow_cpu)
+    paths = [p.resolve() for p in args.notebooks] or course.notebooks()
+    failures = 0
+    for path in paths:
+        start = time.perf_counter()
+        nb = execute(path, cell_timeout=args.cell_timeout, failed_dir=args.failed_dir)
+        seconds = time.perf_counter() - start
+        if nb is None:
+            failures += 1
+            continue
+        nb.metadata["reference_run"] = {"sources_sha256": course.sources_sha256(nb), **stamp}
+        nbformat.write(nb, path)
+        figures = recorded_results(nb)
+        out = merge_results(slug, path.stem, figures, args.results_dir)
+        print(f"ok {path.name}: {seconds:.0f} s on {stamp['gpu']}, {len(figures)} figures → {out.name}")
+    if args.results_dir.resolve() == RESULTS_DIR.resolve():
+        readme_tables.write_readme()
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

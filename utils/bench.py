@@ -1,0 +1,257 @@
+"""The course's one timing harness, and the measured peaks that results are put against.
+
+``bench(fn)`` builds on ``torch.utils.benchmark.Timer``: it runs ``fn`` in blocks of calls long enough that the
+clock's own cost is negligible, synchronises the GPU at the block boundaries (its clock calls
+``torch.cuda.synchronize(device)`` before reading ``timeit.default_timer``), and reports the median and
+inter-quartile range of the per-call time over at least ``min_blocks`` blocks. Time is wall-clock per call, so
+launch overhead and host work count, as they do in a real loop.
+
+Rules it enforces or helps with: warm-up calls run before timing; at least ``min_blocks`` blocks are measured, so
+the spread means something; callers pass the same inputs to every variant (the closure holds them); throughput
+helpers turn a timing into GB/s or TFLOP/s and a percentage of a peak measured on the same machine.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import timeit
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from utils.env import get_device, synchronize
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Per-call time of one function: the median and inter-quartile range over measured blocks."""
+
+    label: str
+    median_s: float
+    iqr_s: float
+    block_times_s: tuple[float, ...]  # per-call time within each measured block
+    calls_per_block: int
+    device: str
+
+    @property
+    def median_ms(self) -> float:
+        return self.median_s * 1e3
+
+    @property
+    def iqr_ms(self) -> float:
+        return self.iqr_s * 1e3
+
+    @property
+    def spread(self) -> float:
+        """IQR / median: 0.02 means the middle half of the blocks lie within 2% of each other."""
+        return self.iqr_s / self.median_s if self.median_s > 0 else math.nan
+
+    @property
+    def calls(self) -> int:
+        return len(self.block_times_s) * self.calls_per_block
+
+    def __str__(self) -> str:
+        return (f"{self.label}: {format_seconds(self.median_s)} median, IQR {format_seconds(self.iqr_s)} "
+                f"({len(self.block_times_s)} blocks × {self.calls_per_block} calls, {self.device})")
+
+
+def format_seconds(seconds: float) -> str:
+    """Human units: '812 ns', '3.41 µs', '12.7 ms', '1.93 s'."""
+    if not math.isfinite(seconds):
+        return str(seconds)
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
+        if abs(seconds) >= scale:
+            return f"{seconds / scale:.3g} {unit}"
+    return f"{seconds / 1e-9:.3g} ns"
+
+
+def bench(
+    fn: Callable[[], object],
+    *,
+    label: str | None = None,
+    device: torch.device | str | None = None,
+    warmup: int = 3,
+    min_run_time: float = 0.5,
+    min_blocks: int = 7,
+) -> Timing:
+    """Time ``fn()`` (no arguments: close over the inputs) and return its per-call :class:`Timing`.
+
+    Args:
+        fn: the work to time. It must be callable with no arguments.
+        label: name shown in tables; defaults to the function's name.
+        device: where the work runs, for synchronisation; default ``utils.env.get_device()``.
+        warmup: calls made (and synchronised) before any timing: they absorb one-time costs such as CUDA context
+            and cuBLAS handle creation, autotuning and compilation — report those separately.
+        min_run_time: seconds of measurement at least; blocks last about ``min_run_time / min_blocks``.
+        min_blocks: measured blocks at least, so that the median and IQR rest on several samples even when one
+            call is slower than ``min_run_time`` (then each block is one call).
+
+    Raises:
+        TypeError: if ``fn`` is not callable.
+        ValueError: for a negative warmup, a non-positive min_run_time or fewer than 1 block.
+    """
+    if not callable(fn):
+        raise TypeError(f"bench() needs a callable taking no arguments, got {type(fn).__name__}: {fn!r:.60}")
+    if warmup < 0 or min_run_time <= 0 or min_blocks < 1:
+        raise ValueError(f"bench(): need warmup >= 0, min_run_time > 0, min_blocks >= 1 "
+                         f"(got {warmup}, {min_run_time}, {min_blocks})")
+    device = get_device(device)
+    label = label or getattr(fn, "__name__", "fn")
+    for _ in range(warmup):
+        fn()
+    synchronize(device)
+
+    # torch.utils.benchmark.Timer runs the blocks; our clock synchronises the device being timed (the Timer's
+    # default syncs only the current one), and the Timer gets the threads the reader's code will really use (it
+    # runs single-threaded by default). The blocking policy is ours:
+    # blocked_autorange can settle on a single block lasting all of min_run_time, which leaves no spread to report.
+    def synchronised_clock() -> float:
+        synchronize(device)
+        return timeit.default_timer()
+
+    timer = _benchmark_module().Timer(stmt="fn()", globals={"fn": fn}, label=label, timer=synchronised_clock,
+                                  num_threads=torch.get_num_threads())
+    one_call_s = max(min(timer.timeit(number=1).median for _ in range(3)), 1e-7)
+    block = max(1, math.ceil(min_run_time / min_blocks / one_call_s))
+    times: list[float] = []
+    while len(times) < min_blocks or sum(times) * block < min_run_time:
+        times.append(timer.timeit(number=block).median)
+    return _timing_from(label, times, block, device)
+
+
+def _benchmark_module():
+    """torch.utils.benchmark, imported on first use: importing it pulls in torch.utils.cpp_extension, which logs
+    a 'No CUDA runtime is found' warning on machines without CUDA that would clutter every CPU notebook."""
+    import logging
+
+    logger = logging.getLogger("torch.utils.cpp_extension")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        import torch.utils.benchmark as torch_benchmark
+    finally:
+        logger.setLevel(level)
+    return torch_benchmark
+
+
+def _timing_from(label: str, times: Sequence[float], calls_per_block: int, device: torch.device) -> Timing:
+    if len(times) >= 2:
+        q1, _, q3 = statistics.quantiles(times, n=4, method="inclusive")
+    else:
+        q1 = q3 = times[0]
+    return Timing(label=label, median_s=statistics.median(times), iqr_s=q3 - q1,
+                  block_times_s=tuple(times), calls_per_block=calls_per_block, device=str(device))
+
+
+def gbps(bytes_moved: float, timing: Timing) -> float:
+    """Achieved bandwidth in GB/s (10⁹ bytes/s) for a call that must move ``bytes_moved`` bytes."""
+    return bytes_moved / timing.median_s / 1e9
+
+
+def tflops(flops: float, timing: Timing) -> float:
+    """Achieved arithmetic rate in TFLOP/s (10¹² FLOP/s) for a call that does ``flops`` operations."""
+    return flops / timing.median_s / 1e12
+
+
+def per_second(count: float, timing: Timing) -> float:
+    """Items (tokens, images, steps …) per second for a call that processes ``count`` of them."""
+    return count / timing.median_s
+
+
+def percent_of(value: float, peak: float) -> float:
+    """``value`` as a percentage of ``peak`` (e.g. achieved GB/s of the copy bandwidth measured here)."""
+    if peak <= 0:
+        raise ValueError(f"peak must be positive, got {peak}")
+    return 100.0 * value / peak
+
+
+def speedup_table(timings: Sequence[Timing], *, baseline: int = 0) -> list[dict[str, object]]:
+    """Rows for a comparison table: label, median, IQR and speed-up against ``timings[baseline]``.
+
+    Pass the rows to ``utils.plot.table`` to print them.
+    """
+    if not timings:
+        raise ValueError("speedup_table() needs at least one Timing")
+    base = timings[baseline].median_s
+    return [
+        {"variant": t.label, "median": format_seconds(t.median_s), "IQR": format_seconds(t.iqr_s),
+         "speed-up": f"{base / t.median_s:.2f}×"}
+        for t in timings
+    ]
+
+
+# ── Peaks measured on this machine ─────────────────────────────────────────────────────────────────────────
+
+
+@dataclass(frozen=True)
+class Rate:
+    """A measured rate (e.g. 2,950 GB/s) with the timing it came from."""
+
+    name: str
+    value: float
+    unit: str
+    timing: Timing
+
+    def __str__(self) -> str:
+        return f"{self.name}: {self.value:.4g} {self.unit} ({format_seconds(self.timing.median_s)} per call)"
+
+
+def copy_bandwidth(device: torch.device | str | None = None, *, nbytes: int | None = None) -> Rate:
+    """Device-memory copy bandwidth: ``dst.copy_(src)`` on a buffer far larger than the caches.
+
+    Counts bytes read plus bytes written (2 × nbytes), the convention of STREAM-copy and of every
+    "% of copy bandwidth" in this course. Default size: 1 GiB on a GPU (fits any card with 4 GiB), 256 MiB on CPU.
+    """
+    device = get_device(device)
+    if nbytes is None:
+        nbytes = 1 << 30 if device.type == "cuda" else 256 << 20
+    src = torch.randn(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+    timing = bench(lambda: dst.copy_(src), label="copy", device=device, min_run_time=0.3)
+    return Rate("copy bandwidth (read + write)", gbps(2 * src.nbytes, timing), "GB/s", timing)
+
+
+def matmul_rate(
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str | None = None,
+    *,
+    n: int | None = None,
+    tf32: bool = False,
+) -> Rate:
+    """Dense matmul rate of an n×n×n product on random data (2·n³ FLOP per call).
+
+    ``tf32=True`` lets fp32 matmuls use TF32 tensor cores (``torch.set_float32_matmul_precision("high")``);
+    the previous setting is restored afterwards. Default n: 8192 on a GPU, 1024 on CPU.
+    """
+    device = get_device(device)
+    n = n or (8192 if device.type == "cuda" else 1024)
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high" if tf32 else "highest")
+    try:
+        name = "tf32" if (tf32 and dtype == torch.float32) else str(dtype).removeprefix("torch.")
+        timing = bench(lambda: a @ b, label=f"matmul {name}", device=device, min_run_time=0.3)
+    finally:
+        torch.set_float32_matmul_precision(previous)
+    return Rate(f"matmul {name} (n={n})", tflops(2 * n**3, timing), "TFLOP/s", timing)
+
+
+def host_to_device_bandwidth(
+    nbytes: int, *, pinned: bool, device: torch.device | str | None = None
+) -> Rate:
+    """Host → GPU copy bandwidth for one ``nbytes`` buffer, from pageable or pinned (page-locked) host memory.
+
+    Raises:
+        RuntimeError: on a CPU device, where there is no host-to-device copy to measure.
+    """
+    device = get_device(device)
+    if device.type != "cuda":
+        raise RuntimeError("host-to-device bandwidth needs a CUDA device; on CPU there is no copy to measure")
+    host = torch.randn(max(nbytes // 4, 1)).pin_memory() if pinned else torch.randn(max(nbytes // 4, 1))
+    dst = torch.empty(host.shape, device=device)
+    timing = bench(lambda: dst.copy_(host, non_blocking=pinned), label="H2D", device=device, min_run_time=0.2)
+    kind = "pinned" if pinned else "pageable"
+    return Rate(f"host→device {kind}", gbps(host.nbytes, timing), "GB/s", timing)

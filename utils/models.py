@@ -1,0 +1,71 @@
+"""The small models the notebooks train, each readable in one screen; random initialisation only.
+
+- :class:`MLP`: the seed's MNIST classifier, ``Linear(784, 256) → ReLU → Linear(256, 10)``.
+- :class:`TransformerModel`: the seed's language model, ``Embedding → nn.TransformerEncoder → Linear``, sized
+  by a :class:`TransformerConfig` (the seed's sizes are the defaults; notebooks shrink them on CPU).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+class MLP(nn.Module):
+    """The seed's MNIST classifier: flatten 28×28 → 784 → 256 (ReLU) → 10 logits."""
+
+    def __init__(self, in_features: int = 784, hidden: int = 256, classes: int = 10) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(in_features, hidden), nn.ReLU(), nn.Linear(hidden, classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+@dataclass(frozen=True)
+class TransformerConfig:
+    """Sizes of :class:`TransformerModel`; the defaults are the seed's (about 76 M parameters)."""
+
+    vocab_size: int = 50_000
+    d_model: int = 512
+    nhead: int = 8
+    num_layers: int = 6
+    dim_feedforward: int = 2048
+    dropout: float = 0.1
+
+    def __post_init__(self) -> None:
+        if self.d_model % self.nhead:
+            raise ValueError(f"d_model ({self.d_model}) must be divisible by nhead ({self.nhead})")
+
+
+class TransformerModel(nn.Module):
+    """The seed's language model: token embedding → ``num_layers`` encoder layers (batch-first) → vocabulary.
+
+    ``forward(tokens)`` takes int64 ids [B, T] and returns logits [B, T, vocab]. With ``causal=True`` (default)
+    each position attends only to itself and earlier ones, so it predicts the next token.
+    """
+
+    def __init__(self, config: TransformerConfig | None = None) -> None:
+        super().__init__()
+        self.config = config = config or TransformerConfig()
+        self.embedding = nn.Embedding(config.vocab_size, config.d_model)
+        layer = nn.TransformerEncoderLayer(config.d_model, config.nhead, config.dim_feedforward, config.dropout,
+                                           batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, config.num_layers, enable_nested_tensor=False)
+        self.head = nn.Linear(config.d_model, config.vocab_size)
+
+    def forward(self, tokens: torch.Tensor, causal: bool = True) -> torch.Tensor:
+        if tokens.dtype != torch.int64 or tokens.dim() != 2:
+            raise ValueError(f"tokens must be int64 [batch, seq], got {tokens.dtype} {list(tokens.shape)}")
+        x = self.embedding(tokens)
+        mask = nn.Transformer.generate_square_subsequent_mask(tokens.shape[1], device=tokens.device) if causal \
+            else None
+        x = self.encoder(x, mask=mask, is_causal=causal)
+        return self.head(x)
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Number of trainable parameters."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -1,0 +1,158 @@
+"""The few shapes in which the course shows results: a text table, a bar comparison, curves.
+
+Every chart is titled, its axes say their units, and it carries one message. Chart functions return a closed
+matplotlib Figure: make the call the last line of a cell and Jupyter shows it exactly once (an open figure would
+be shown twice, once by the inline backend and once as the cell's value); ``fig.savefig`` works as usual.
+matplotlib is imported on first use so that ``import utils`` stays light.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+
+def format_table(rows: Sequence[Mapping[str, Any]], *, title: str | None = None) -> str:
+    """Rows (dicts with the same keys) as an aligned text table: numeric columns right-aligned.
+
+    Floats are shown with 4 significant digits; format them yourself where a unit or another precision fits.
+    """
+    if not rows:
+        raise ValueError("table() needs at least one row")
+    headers = list(rows[0].keys())
+    for i, row in enumerate(rows):
+        if list(row.keys()) != headers:
+            raise ValueError(f"table(): row {i} has keys {list(row.keys())}, expected {headers}")
+
+    def cell(v: Any) -> str:
+        return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+    cells = [[cell(row[h]) for h in headers] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+    numeric = [all(_numeric(r[i]) for r in cells) for i in range(len(headers))]
+
+    def line(values: Sequence[str]) -> str:
+        padded = (v.rjust(w) if num else v.ljust(w) for v, w, num in zip(values, widths, numeric, strict=True))
+        return "  ".join(padded).rstrip()
+
+    out = [title] if title else []
+    out += [line(headers), "  ".join("-" * w for w in widths)]
+    out += [line(r) for r in cells]
+    return "\n".join(out)
+
+
+def table(rows: Sequence[Mapping[str, Any]], *, title: str | None = None) -> None:
+    """Print :func:`format_table` of the rows (returns nothing, so a notebook cell shows the table once)."""
+    print(format_table(rows, title=title))
+
+
+def _numeric(text: str) -> bool:
+    stripped = text.replace(",", "").replace("×", "").replace("%", "").split(" ")[0]
+    try:
+        float(stripped)
+    except ValueError:
+        return False
+    return True
+
+
+def format_value(value: float) -> str:
+    """A number as a chart label: '3,350', '42.5', '0.099'."""
+    if abs(value) >= 100:
+        return f"{value:,.0f}"
+    if abs(value) >= 1:
+        return f"{value:.1f}"
+    return f"{value:.2g}"
+
+
+def _pyplot():
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def bar(
+    labels: Sequence[str],
+    values: Sequence[float],
+    *,
+    ylabel: str,
+    title: str,
+    errors: Sequence[float] | None = None,
+    reference: float | None = None,
+    reference_label: str | None = None,
+    horizontal: bool = False,
+    highlight: Sequence[int] = (),
+):
+    """Bars with their values written on them, optional error bars (e.g. IQR) and a reference line (a peak).
+
+    ``highlight`` lists bars drawn in a second colour (e.g. "measured here" among datasheet values).
+    Returns the Figure.
+    """
+    if len(labels) != len(values) or (errors is not None and len(errors) != len(values)):
+        raise ValueError("bar(): labels, values (and errors) must have the same length")
+    plt = _pyplot()
+    size = (7.5, 0.5 * len(labels) + 1.8) if horizontal else (max(5.0, 1.1 * len(labels) + 2), 4.0)
+    fig, ax = plt.subplots(figsize=size)
+    positions = range(len(labels))
+    draw = ax.barh if horizontal else ax.bar
+    colors = ["#DD8452" if i in highlight else "#4C72B0" for i in positions]
+    bars = draw(positions, values, color=colors, **({"xerr" if horizontal else "yerr": errors,
+                                                      "capsize": 3} if errors is not None else {}))
+    ax.bar_label(bars, labels=[format_value(v) for v in values], padding=3, fontsize=9)
+    if horizontal:
+        ax.set_yticks(list(positions), labels)
+        ax.invert_yaxis()
+        ax.set_xlabel(ylabel)
+        ax.margins(x=0.15)
+    else:
+        ax.set_xticks(list(positions), labels, rotation=20 if max(map(len, labels)) > 10 else 0, ha="right"
+                      if max(map(len, labels)) > 10 else "center")
+        ax.set_ylabel(ylabel)
+        ax.margins(y=0.15)
+    if reference is not None:
+        (ax.axvline if horizontal else ax.axhline)(reference, color="#C44E52", linestyle="--", linewidth=1.2,
+                                                   label=reference_label or f"reference {reference:.3g}")
+        ax.legend(loc="lower right" if horizontal else "upper right", fontsize=9)
+    ax.set_title(title)
+    ax.grid(axis="x" if horizontal else "y", alpha=0.3)
+    fig.tight_layout()
+    plt.close(fig)
+    return fig
+
+
+def curves(
+    series: Mapping[str, tuple[Sequence[float], Sequence[float]]],
+    *,
+    xlabel: str,
+    ylabel: str,
+    title: str,
+    logx: bool = False,
+    logy: bool = False,
+    markers: bool = True,
+    hlines: Mapping[str, float] | None = None,
+):
+    """One line per named (x, y) series, optional log axes and labelled horizontal reference lines.
+
+    Returns the Figure.
+    """
+    if not series:
+        raise ValueError("curves() needs at least one series")
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    for name, (x, y) in series.items():
+        if len(x) != len(y):
+            raise ValueError(f"curves(): series {name!r} has {len(x)} x values and {len(y)} y values")
+        ax.plot(x, y, marker="o" if markers else None, markersize=4, label=name)
+    for i, (name, value) in enumerate((hlines or {}).items()):
+        ax.axhline(value, linestyle="--", linewidth=1.1, color=f"C{(len(series) + i) % 10}", label=name)
+    if logx:
+        ax.set_xscale("log", base=2)
+    if logy:
+        ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=9)
+    fig.tight_layout()
+    plt.close(fig)
+    return fig
