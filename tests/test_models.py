@@ -53,3 +53,52 @@ def test_patterned_tokens_follow_the_rule():
     assert data.patterned_tokens_min_loss(1000, 0.1) < math.log(1000) / 4
     with pytest.raises(ValueError):
         data.patterned_tokens(1, 1, 10, noise=0.0)
+
+
+def _tiny_lm():
+    torch.manual_seed(0)
+    cfg = models.TransformerConfig(vocab_size=50, d_model=32, nhead=4, num_layers=1, dim_feedforward=64, dropout=0.0)
+    return models.TransformerModel(cfg)
+
+
+@pytest.mark.parametrize("amp_dtype", [None, torch.bfloat16])
+def test_train_step_lowers_the_loss(amp_dtype):
+    from utils import train
+
+    model = _tiny_lm()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    inputs, targets = data.patterned_tokens(8, 16, 50, generator=torch.Generator().manual_seed(1))
+    first = train.train_step(model, opt, inputs, targets, amp_dtype=amp_dtype)
+    for _ in range(30):
+        last = train.train_step(model, opt, inputs, targets, amp_dtype=amp_dtype)
+    assert not first.requires_grad and last.item() < 0.7 * first.item()
+
+
+def test_train_step_with_scaler_clips_unscaled_gradients(monkeypatch):
+    from utils import train
+
+    model = _tiny_lm()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    seen = {}
+    real_clip = torch.nn.utils.clip_grad_norm_
+
+    def spy(params, max_norm):
+        params = list(params)
+        seen["norm"] = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params])).item()
+        return real_clip(params, max_norm)
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", spy)
+    inputs, targets = data.synthetic_tokens(4, 8, 50, generator=torch.Generator().manual_seed(2))
+    train.train_step(model, opt, inputs, targets, scaler=scaler, max_grad_norm=1.0)
+    # unscaled before clipping: the norm the clip sees is that of the true gradients (order 1, not 1000s)
+    assert seen["norm"] < 100
+
+
+def test_train_step_rejects_other_dtypes():
+    from utils import train
+
+    model = _tiny_lm()
+    with pytest.raises(ValueError, match="amp_dtype"):
+        train.train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), *data.synthetic_tokens(1, 4, 50),
+                         amp_dtype=torch.float64)

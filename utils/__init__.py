@@ -7,8 +7,9 @@
 - ``models``  the small models the notebooks train
 - ``plot``    tables and the few chart shapes
 - ``results`` headline figures that the reference run collects
+- ``train``   the language-model training step (autocast, GradScaler, clipping)
 """
 
-from utils import bench, data, env, memory, models, plot, results
+from utils import bench, data, env, memory, models, plot, results, train
 
-__all__ = ["bench", "data", "env", "memory", "models", "plot", "results"]
+__all__ = ["bench", "data", "env", "memory", "models", "plot", "results", "train"]
