@@ -132,7 +132,7 @@ def test_unknown_device_is_a_value_error(device):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown when CUDA is missing")
 def test_cuda_without_a_gpu_is_a_clear_runtime_error():
-    with pytest.raises(RuntimeError, match="is_available"):
+    with pytest.raises(RuntimeError, match="no CUDA GPU"):
         memory.memory_stats("cuda")
 
 
@@ -152,6 +152,7 @@ def fake_cuda(monkeypatch):
     allocated = iter([100, 400])
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(("synchronize", device)))
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats",
                         lambda device=None: calls.append(("reset", device)))

@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from utils.env import get_device
+
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
@@ -49,22 +51,6 @@ def format_bytes(n: int | float) -> str:
 
 # ----------------------------------------------------------------------------------------------------
 # Devices and the CPU's numbers
-
-
-def _resolve_device(device: torch.device | str) -> torch.device:
-    """``torch.device(device)``, checked for what this module can measure; ``cuda`` gets its index."""
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as err:
-        message = f"unknown device {device!r}: memory is measured on 'cpu', 'cuda' or 'cuda:N'"
-        raise ValueError(message) from err
-    if dev.type == "cpu":
-        return dev
-    if dev.type != "cuda":
-        raise ValueError(f"memory is measured on 'cpu' or 'cuda' devices, not {dev.type!r} (got {device!r})")
-    if not torch.cuda.is_available():
-        raise RuntimeError(f"device {device!r} was asked for, but torch.cuda.is_available() is False")
-    return torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
 
 
 def _parse_proc_status(text: str) -> dict[str, int]:
@@ -148,7 +134,7 @@ def memory_stats(device: torch.device | str) -> MemoryStats:
     high-water mark from ``/proc/self/status``; elsewhere the lifetime peak from ``getrusage``. Raises
     ValueError for a device type other than cpu/cuda, RuntimeError for cuda when CUDA is not available.
     """
-    dev = _resolve_device(device)
+    dev = get_device(device)
     if dev.type == "cuda":
         return MemoryStats(
             device=str(dev),
@@ -206,7 +192,7 @@ def track_peak(device: torch.device | str) -> Iterator[PeakMemory]:
     the process's lifetime high-water mark, and ``what`` says so. The fields are filled even if the block
     raises (e.g. an out-of-memory error that you catch outside the block).
     """
-    dev = _resolve_device(device)
+    dev = get_device(device)
     result = PeakMemory(device=str(dev))
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
@@ -298,7 +284,7 @@ def record_memory_history(
 
     On CPU raises RuntimeError: there is no caching allocator to record; use :func:`track_peak`.
     """
-    dev = _resolve_device(device)
+    dev = get_device(device)
     if dev.type != "cuda":
         raise RuntimeError(
             "memory history recording needs a CUDA device; on CPU use track_peak, which measures RSS"

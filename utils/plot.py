@@ -111,7 +111,7 @@ def bar(
     if reference is not None:
         (ax.axvline if horizontal else ax.axhline)(reference, color="#C44E52", linestyle="--", linewidth=1.2,
                                                    label=reference_label or f"reference {reference:.3g}")
-        ax.legend(loc="lower right" if horizontal else "upper right", fontsize=9)
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9, frameon=False)  # outside: no overlap
     ax.set_title(title)
     ax.grid(axis="x" if horizontal else "y", alpha=0.3)
     fig.tight_layout()
