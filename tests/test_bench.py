@@ -37,6 +37,21 @@ def test_slow_calls_still_give_min_blocks():
 def test_non_callable_is_a_clear_error(not_callable):
     with pytest.raises(TypeError, match="needs a callable"):
         bench.bench(not_callable)
+    with pytest.raises(TypeError, match="needs a callable"):
+        bench.first_call(not_callable)
+
+
+def test_first_call_times_one_call_and_returns_its_result():
+    calls = []
+
+    def work():
+        calls.append(1)
+        time.sleep(0.02)
+        return "built"
+
+    seconds, result = bench.first_call(work, device="cpu")
+    assert result == "built" and calls == [1]  # exactly one call: no warm-up, no repeats
+    assert 0.019 < seconds < 0.5
 
 
 def test_bad_settings_are_clear_errors():

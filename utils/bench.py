@@ -6,6 +6,9 @@ clock's own cost is negligible, synchronises the GPU at the block boundaries (it
 inter-quartile range of the per-call time over at least ``min_blocks`` blocks. Time is wall-clock per call, so
 launch overhead and host work count, as they do in a real loop.
 
+``first_call(fn)`` times one synchronised call instead, for the one-off costs that the warm-up keeps out of
+``bench`` (a first call that compiles, builds or autotunes), to be reported next to the steady state.
+
 Rules it enforces or helps with: warm-up calls run before timing; at least ``min_blocks`` blocks are measured, so
 the spread means something; callers pass the same inputs to every variant (the closure holds them); throughput
 helpers turn a timing into GB/s or TFLOP/s and a percentage of a peak measured on the same machine.
@@ -15,13 +18,17 @@ from __future__ import annotations
 
 import math
 import statistics
+import time
 import timeit
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
 from utils.env import get_device, synchronize
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -119,6 +126,27 @@ def bench(
     while len(times) < min_blocks or sum(times) * block < min_run_time:
         times.append(timer.timeit(number=block).median)
     return _timing_from(label, times, block, device)
+
+
+def first_call(fn: Callable[[], T], *, device: torch.device | str | None = None) -> tuple[float, T]:
+    """Seconds of one call of ``fn()``, synchronised before and after, and what it returned.
+
+    For the one-off costs that :func:`bench` keeps out of steady state on purpose (its warm-up absorbs them): a
+    first call that compiles, builds an extension or autotunes. Report them beside the steady-state time, never
+    inside it. One reading of ``time.perf_counter``, no repeats: a later call of the same ``fn`` measures
+    something else (the cached result).
+
+    Raises:
+        TypeError: if ``fn`` is not callable.
+    """
+    if not callable(fn):
+        raise TypeError(f"first_call() needs a callable taking no arguments, got {type(fn).__name__}")
+    device = get_device(device)
+    synchronize(device)
+    start = time.perf_counter()
+    result = fn()
+    synchronize(device)
+    return time.perf_counter() - start, result
 
 
 def _benchmark_module():
