@@ -104,3 +104,79 @@ def test_copy_bandwidth_and_matmul_rate_on_cpu():
 def test_host_to_device_needs_cuda():
     with pytest.raises(RuntimeError, match="needs a CUDA device"):
         bench.host_to_device_bandwidth(1 << 20, pinned=False, device="cpu")
+
+
+# ── compare: verdicts with their noise ──────────────────────────────────────────────────────────────────────
+
+
+def timing(label, blocks):
+    """A Timing from per-call block times, as bench() would build it."""
+    return bench._timing_from(label, list(blocks), 1, torch.device("cpu"))
+
+
+def test_compare_calls_a_clear_gain_faster():
+    base = timing("eager", [1.00, 1.01, 0.99, 1.02, 1.00, 0.98, 1.01])
+    fast = timing("fused", [0.50, 0.51, 0.49, 0.50, 0.52, 0.50, 0.49])
+    result = bench.compare(base, fast)
+    assert result.outcome == "faster" and result.speedup == pytest.approx(2.0, rel=0.02)
+    assert result.short == "2.00× faster" and "2.00× faster" in str(result)
+    assert bench.compare(fast, base).outcome == "slower"
+    assert "slower" in bench.compare(fast, base).verdict
+
+
+def test_compare_calls_overlapping_timings_the_same():
+    base = timing("a", [1.00, 1.10, 0.90, 1.05, 0.95, 1.02, 0.98])
+    other = timing("b", [0.97, 1.08, 0.88, 1.03, 0.93, 1.00, 0.96])  # 2% apart, spreads of ±5%
+    result = bench.compare(base, other)
+    assert result.outcome == "same" and result.short == "same (noise)"
+    assert "no difference beyond the noise" in result.verdict and "overlap" in result.verdict
+
+
+def test_compare_needs_min_effect_even_without_overlap():
+    base = timing("a", [1.000, 1.001, 0.999, 1.000, 1.000])
+    other = timing("b", [0.980, 0.981, 0.979, 0.980, 0.980])  # tight and disjoint, but only 2% apart
+    assert bench.compare(base, other).outcome == "same"
+    assert "drift" in bench.compare(base, other).verdict
+    assert bench.compare(base, other, min_effect=0.01).outcome == "faster"
+
+
+def test_explain_adds_the_measured_reason_only_when_the_expectation_fails():
+    base = timing("seed", [1.0, 1.01, 0.99, 1.0, 1.0])
+    same = timing("pinned", [0.99, 1.0, 1.01, 0.98, 1.0])
+    text = bench.compare(base, same).explain("faster", why="the copy takes 4 µs of a 1.4 ms step")
+    assert text.startswith("pinned vs seed: no difference beyond the noise") and "4 µs" in text
+    fast = timing("fast", [0.5, 0.5, 0.5, 0.5, 0.5])
+    assert bench.compare(base, fast).explain("faster", why="unused").endswith("as expected")
+
+
+def test_compare_rejects_bad_input():
+    t = timing("a", [1.0, 1.0])
+    with pytest.raises(TypeError, match="two Timing"):
+        bench.compare(1.0, t)
+    with pytest.raises(ValueError, match="min_effect"):
+        bench.compare(t, t, min_effect=1.5)
+
+
+def test_speedup_table_has_a_verdict_column():
+    base = timing("eager", [1.0, 1.01, 0.99, 1.0, 1.0])
+    fast = timing("fused", [0.25, 0.25, 0.26, 0.24, 0.25])
+    rows = bench.speedup_table([base, fast])
+    assert [r["verdict"] for r in rows] == ["baseline", "4.00× faster"]
+
+
+def test_quartiles_of_a_timing():
+    t = timing("a", [1.0, 2.0, 3.0, 4.0, 5.0])
+    assert t.quartiles_s == (2.0, 4.0) and t.median_s == 3.0
+    single = timing("b", [7.0])
+    assert single.quartiles_s == (7.0, 7.0)
+
+
+def test_matmul_rate_kinds_on_cpu():
+    sustained = bench.matmul_rate(torch.float32, "cpu", n=128)
+    burst = bench.matmul_rate(torch.float32, "cpu", n=128, kind="burst")
+    assert "sustained" in sustained.name and "burst" in burst.name
+    for rate in (sustained, burst):  # no GPU readings on a CPU, and the rate says why
+        assert rate.conditions is not None and not rate.conditions.samples
+        assert "CPU" in str(rate.conditions)
+    with pytest.raises(ValueError, match="kind"):
+        bench.matmul_rate(torch.float32, "cpu", n=64, kind="peak")

@@ -1,5 +1,6 @@
-"""utils.env: device choice, capabilities, report."""
+"""utils.env: device choice, capabilities, report, GPU readings."""
 
+import os
 import sys
 import types
 
@@ -82,3 +83,93 @@ def test_seed_everything_makes_draws_repeat():
     a = torch.randn(4)
     env.seed_everything(3)
     torch.testing.assert_close(torch.randn(4), a)
+
+
+# ── GPU readings: clocks, power, clock-event reasons, host link ─────────────────────────────────────────────
+
+
+def test_clock_reason_names():
+    assert env.clock_reason_names(0) == []
+    assert env.clock_reason_names(0x4) == ["power cap"]
+    assert env.clock_reason_names(0x1 | 0x40) == ["idle", "thermal (hardware)"]
+    assert env.clock_reason_names(0x10000) == ["other (0x10000)"]
+
+
+def test_conditions_summary_from_samples():
+    conditions = env.GpuConditions(device="cuda:0", source="NVML", max_sm_clock_mhz=1980, power_limit_w=700,
+                                   samples=[env.GpuSample(0.01 * i, 1755 + i, 690.0, 0x4 if i else 0x0)
+                                            for i in range(5)])
+    assert conditions.sm_clock_mhz == 1757 and conditions.power_w == 690
+    assert conditions.reasons() == ["power cap"]
+    text = str(conditions)
+    assert "1,757 MHz of 1,980 max" in text and "690 W (limit 700 W)" in text and "power cap" in text
+
+
+def test_conditions_without_readings_say_why():
+    with env.gpu_conditions("cpu") as conditions:
+        pass
+    assert not conditions.samples and conditions.sm_clock_mhz is None
+    assert "CPU" in str(conditions)
+
+
+class FakeNvml:
+    """Enough of pynvml for utils.env's reader."""
+
+    NVML_CLOCK_SM = 1
+
+    class NVMLError(Exception):
+        pass
+
+    def nvmlInit(self):
+        pass
+
+    def nvmlDeviceGetHandleByUUID(self, uuid):
+        return ("handle", uuid)
+
+    def nvmlDeviceGetMaxClockInfo(self, handle, clock):
+        return 1980
+
+    def nvmlDeviceGetEnforcedPowerLimit(self, handle):
+        return 700_000
+
+    def nvmlDeviceGetClockInfo(self, handle, clock):
+        return 1755
+
+    def nvmlDeviceGetPowerUsage(self, handle):
+        return 690_500
+
+    def nvmlDeviceGetCurrentClocksEventReasons(self, handle):
+        return 0x4
+
+    def nvmlDeviceGetMaxPcieLinkGeneration(self, handle):
+        return 5
+
+    def nvmlDeviceGetMaxPcieLinkWidth(self, handle):
+        return 16
+
+
+def test_reader_through_nvml(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNvml())
+    monkeypatch.setattr(env._Reader, "_uuid", lambda self: "GPU-1234")
+    reader = env._Reader(torch.device("cuda", 0))
+    assert reader.source == "NVML" and reader.max_sm_clock_mhz == 1980 and reader.power_limit_w == 700
+    assert reader.read() == (1755.0, 690.5, 0x4)
+
+
+def test_reader_falls_back_to_nvidia_smi(monkeypatch, tmp_path):
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho '1410, 301.25, 0x0000000000000020'\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # import fails: not installed
+    monkeypatch.setattr(env._Reader, "_uuid", lambda self: "GPU-1234")
+    reader = env._Reader(torch.device("cuda", 0))
+    assert reader.source == "nvidia-smi"
+    assert reader.read() == (1410.0, 301.25, 0x20)
+
+
+def test_host_link_rates():
+    assert env.HostLink(4, 16, "test").gbps == pytest.approx(31.5, rel=1e-2)
+    assert env.HostLink(5, 16, "test").gbps == pytest.approx(63.0, rel=1e-2)
+    assert env.HostLink(9, 16, "test").gbps is None and "unknown rate" in str(env.HostLink(9, 16, "test"))
+    assert "CPU" in env.host_link("cpu")

@@ -1,15 +1,19 @@
 """The course's shared helpers: one small module per concern.
 
-- ``env``     device choice, capabilities, the environment report
-- ``bench``   the one timing harness and the peaks measured on this machine
+- ``env``     device choice, capabilities, the environment report, clock / power / PCIe readings
+- ``bench``   the one timing harness, verdicts with their noise, and the peaks measured on this machine
+- ``datasheets`` vendor peak rates, and which sheet describes this GPU
+- ``profile`` torch.profiler: a step's kernels, busy vs idle GPU time, top kernels, Perfetto traces
 - ``memory``  allocated / reserved / peak memory, snapshots
 - ``data``    MNIST (local → download → bundled sample), GPU-resident batches, synthetic data
 - ``models``  the small models the notebooks train
 - ``plot``    tables and the few chart shapes
 - ``results`` headline figures that the reference run collects
-- ``train``   the language-model training step (autocast, GradScaler, clipping)
+- ``train``   the training steps the notebooks measure (autocast, GradScaler, clipping; a CUDA-graph step)
+- ``exercises`` the self-checks of the notebooks' exercises
 """
 
-from utils import bench, data, env, memory, models, plot, results, train
+from utils import bench, data, datasheets, env, exercises, memory, models, plot, profile, results, train
 
-__all__ = ["bench", "data", "env", "memory", "models", "plot", "results", "train"]
+__all__ = ["bench", "data", "datasheets", "env", "exercises", "memory", "models", "plot", "profile", "results",
+           "train"]

@@ -6,12 +6,21 @@ clock's own cost is negligible, synchronises the GPU at the block boundaries (it
 inter-quartile range of the per-call time over at least ``min_blocks`` blocks. Time is wall-clock per call, so
 launch overhead and host work count, as they do in a real loop.
 
+``compare(baseline, candidate)`` turns two timings into a verdict that respects their noise: "1.29× faster",
+"slower: 0.85×", or "no difference beyond the noise". Notebooks print it instead of writing a verdict into prose.
+
 ``first_call(fn)`` times one synchronised call instead, for the one-off costs that the warm-up keeps out of
 ``bench`` (a first call that compiles, builds or autotunes), to be reported next to the steady state.
 
 Rules it enforces or helps with: warm-up calls run before timing; at least ``min_blocks`` blocks are measured, so
 the spread means something; callers pass the same inputs to every variant (the closure holds them); throughput
 helpers turn a timing into GB/s or TFLOP/s and a percentage of a peak measured on the same machine.
+
+Peaks come in two kinds (:func:`matmul_rate`): a *burst*, tens of milliseconds after the GPU rested, at the boost
+clock a short job sees; and a *sustained* rate, seconds of back-to-back work, which is what a long job gets once
+the power or thermal limit has lowered the clock. Both carry the SM clock, power and throttle reasons read while
+they ran (:func:`utils.env.gpu_conditions`). Later notebooks divide by the sustained rate: their own
+measurements are seconds of steady work under the same limits.
 """
 
 from __future__ import annotations
@@ -22,11 +31,11 @@ import time
 import timeit
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 import torch
 
-from utils.env import get_device, synchronize
+from utils.env import GpuConditions, get_device, gpu_conditions, synchronize
 
 T = TypeVar("T")
 
@@ -58,6 +67,14 @@ class Timing:
     @property
     def calls(self) -> int:
         return len(self.block_times_s) * self.calls_per_block
+
+    @property
+    def quartiles_s(self) -> tuple[float, float]:
+        """(first, third) quartile of the per-call block times: the middle half of the blocks lies between."""
+        if len(self.block_times_s) < 2:
+            return self.median_s, self.median_s
+        q1, _, q3 = statistics.quantiles(self.block_times_s, n=4, method="inclusive")
+        return q1, q3
 
     def __str__(self) -> str:
         return (f"{self.label}: {format_seconds(self.median_s)} median, IQR {format_seconds(self.iqr_s)} "
@@ -196,34 +213,134 @@ def percent_of(value: float, peak: float) -> float:
 
 
 def speedup_table(timings: Sequence[Timing], *, baseline: int = 0) -> list[dict[str, object]]:
-    """Rows for a comparison table: label, median, IQR and speed-up against ``timings[baseline]``.
+    """Rows for a comparison table: label, median, IQR, speed-up against ``timings[baseline]`` and the verdict
+    of :func:`compare` (faster / slower / within the noise).
 
     Pass the rows to ``utils.plot.table`` to print them.
     """
     if not timings:
         raise ValueError("speedup_table() needs at least one Timing")
-    base = timings[baseline].median_s
+    base = timings[baseline]
     return [
         {"variant": t.label, "median": format_seconds(t.median_s), "IQR": format_seconds(t.iqr_s),
-         "speed-up": f"{base / t.median_s:.2f}×"}
-        for t in timings
+         "speed-up": f"{base.median_s / t.median_s:.2f}×",
+         "verdict": "baseline" if i == baseline else compare(base, t).short}
+        for i, t in enumerate(timings)
     ]
+
+
+# ── Verdicts: two timings and their noise → what a reader may conclude ──────────────────────────────────────
+
+#: Below this relative difference two timings are called the same even when their blocks do not overlap:
+#: on a GPU the same code measured again a minute later (other clocks, another thermal state) differs by a few
+#: percent, more than the spread inside one measurement shows.
+MIN_EFFECT = 0.05
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """How ``candidate`` compares with ``baseline``: the speed-up and whether it is beyond the noise.
+
+    ``speedup`` is baseline time / candidate time (above 1: the candidate is faster). The difference counts as
+    real (``outcome`` "faster" or "slower") only when the middle halves of the two sets of blocks do not overlap
+    *and* the medians differ by at least ``min_effect``; otherwise the outcome is "same".
+    """
+
+    baseline: Timing
+    candidate: Timing
+    min_effect: float = MIN_EFFECT
+
+    @property
+    def speedup(self) -> float:
+        return self.baseline.median_s / self.candidate.median_s
+
+    @property
+    def outcome(self) -> Literal["faster", "slower", "same"]:
+        (b1, b3), (c1, c3) = self.baseline.quartiles_s, self.candidate.quartiles_s
+        if c3 < b1 and self.speedup >= 1 + self.min_effect:
+            return "faster"
+        if c1 > b3 and 1 / self.speedup >= 1 + self.min_effect:
+            return "slower"
+        return "same"
+
+    @property
+    def short(self) -> str:
+        """'1.29× faster', '1.18× slower' or 'same (noise)': for a table column."""
+        if self.outcome == "faster":
+            return f"{self.speedup:.2f}× faster"
+        if self.outcome == "slower":
+            return f"{1 / self.speedup:.2f}× slower"
+        return "same (noise)"
+
+    @property
+    def verdict(self) -> str:
+        """A phrase for a sentence, e.g. 'no difference beyond the noise (1.02×; the blocks overlap)'."""
+        if self.outcome == "faster":
+            return f"{self.speedup:.2f}× faster"
+        if self.outcome == "slower":
+            return f"slower: {self.speedup:.2f}× (it takes {1 / self.speedup:.2f}× as long)"
+        why = ("the middle halves of their timings overlap" if self._overlap() else
+               f"under the {self.min_effect:.0%} that separates real differences from run-to-run drift")
+        return f"no difference beyond the noise ({self.speedup:.2f}×; {why})"
+
+    def _overlap(self) -> bool:
+        (b1, b3), (c1, c3) = self.baseline.quartiles_s, self.candidate.quartiles_s
+        return not (c3 < b1 or c1 > b3)
+
+    def explain(self, expected: Literal["faster", "slower", "same"] = "faster", *, why: str | None = None) -> str:
+        """The verdict against an expectation: 'as expected, 1.29× faster' or, when the measurement disagrees,
+        the verdict followed by ``why`` — the reason the notebook measured (e.g. 'the GPU is idle 60% of the
+        step')."""
+        label = f"{self.candidate.label} vs {self.baseline.label}: "
+        if self.outcome == expected:
+            return label + f"{self.verdict}, as expected"
+        return label + self.verdict + (f" — {why}" if why else "")
+
+    def __str__(self) -> str:
+        return f"{self.candidate.label} vs {self.baseline.label}: {self.verdict}"
+
+
+def compare(baseline: Timing, candidate: Timing, *, min_effect: float = MIN_EFFECT) -> Comparison:
+    """Compare two timings of the same work: see :class:`Comparison` for what counts as beyond the noise.
+
+    Raises:
+        TypeError: if either is not a :class:`Timing`.
+        ValueError: for a ``min_effect`` outside [0, 1) or a non-positive median.
+    """
+    if not isinstance(baseline, Timing) or not isinstance(candidate, Timing):
+        raise TypeError(f"compare() takes two Timing objects from bench(), got {type(baseline).__name__} and "
+                        f"{type(candidate).__name__}")
+    if not 0 <= min_effect < 1:
+        raise ValueError(f"min_effect must be in [0, 1), got {min_effect}")
+    if baseline.median_s <= 0 or candidate.median_s <= 0:
+        raise ValueError("compare() needs positive median times")
+    return Comparison(baseline, candidate, min_effect)
 
 
 # ── Peaks measured on this machine ─────────────────────────────────────────────────────────────────────────
 
 
+#: Seconds of back-to-back work behind a sustained rate on a GPU (after half a second of heating up).
+SUSTAINED_S = 2.0
+#: Seconds of work behind a burst rate, measured after the GPU rested for a second.
+BURST_S = 0.05
+
+
 @dataclass(frozen=True)
 class Rate:
-    """A measured rate (e.g. 2,950 GB/s) with the timing it came from."""
+    """A measured rate (e.g. 2,950 GB/s) with the timing it came from and the GPU's state while it ran."""
 
     name: str
     value: float
     unit: str
     timing: Timing
+    conditions: GpuConditions | None = None
 
     def __str__(self) -> str:
-        return f"{self.name}: {self.value:.4g} {self.unit} ({format_seconds(self.timing.median_s)} per call)"
+        text = f"{self.name}: {self.value:.4g} {self.unit} ({format_seconds(self.timing.median_s)} per call)"
+        if self.conditions is not None and self.conditions.samples:
+            text += f"; {self.conditions}"
+        return text
 
 
 def copy_bandwidth(device: torch.device | str | None = None, *, nbytes: int | None = None) -> Rate:
@@ -237,8 +354,9 @@ def copy_bandwidth(device: torch.device | str | None = None, *, nbytes: int | No
         nbytes = 1 << 30 if device.type == "cuda" else 256 << 20
     src = torch.randn(nbytes // 4, device=device)
     dst = torch.empty_like(src)
-    timing = bench(lambda: dst.copy_(src), label="copy", device=device, min_run_time=0.3)
-    return Rate("copy bandwidth (read + write)", gbps(2 * src.nbytes, timing), "GB/s", timing)
+    with gpu_conditions(device) as conditions:
+        timing = bench(lambda: dst.copy_(src), label="copy", device=device, min_run_time=0.3)
+    return Rate("copy bandwidth (read + write)", gbps(2 * src.nbytes, timing), "GB/s", timing, conditions)
 
 
 def matmul_rate(
@@ -247,24 +365,52 @@ def matmul_rate(
     *,
     n: int | None = None,
     tf32: bool = False,
+    kind: Literal["sustained", "burst"] = "sustained",
 ) -> Rate:
-    """Dense matmul rate of an n×n×n product on random data (2·n³ FLOP per call).
+    """Dense matmul rate of an n×n×n product on random data (2·n³ FLOP per call), with the GPU's state meanwhile.
+
+    ``kind="sustained"`` (default): half a second of products to heat up, then at least :data:`SUSTAINED_S`
+    seconds measured — the rate a long job holds under the GPU's power and thermal limits, and the one later
+    notebooks divide by. ``kind="burst"``: after a one-second rest, about :data:`BURST_S` seconds of products —
+    the boost-clock rate a short job sees. On a CPU both are shorter (0.5 s and 0.1 s): there is no GPU power
+    cap to reach, and the run time of the CPU notebooks is budgeted.
 
     ``tf32=True`` lets fp32 matmuls use TF32 tensor cores (``torch.set_float32_matmul_precision("high")``);
     the previous setting is restored afterwards. Default n: 8192 on a GPU, 1024 on CPU.
+
+    Raises:
+        ValueError: for a ``kind`` other than "sustained" or "burst".
     """
+    if kind not in ("sustained", "burst"):
+        raise ValueError(f"kind must be 'sustained' or 'burst', got {kind!r}")
     device = get_device(device)
-    n = n or (8192 if device.type == "cuda" else 1024)
+    on_gpu = device.type == "cuda"
+    n = n or (8192 if on_gpu else 1024)
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     previous = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("high" if tf32 else "highest")
+    name = "tf32" if (tf32 and dtype == torch.float32) else str(dtype).removeprefix("torch.")
     try:
-        name = "tf32" if (tf32 and dtype == torch.float32) else str(dtype).removeprefix("torch.")
-        timing = bench(lambda: a @ b, label=f"matmul {name}", device=device, min_run_time=0.3)
+        if kind == "burst":
+            for _ in range(2):  # cuBLAS handle and kernel selection, before the rest
+                a @ b
+            synchronize(device)
+            time.sleep(1.0 if on_gpu else 0.0)
+            with gpu_conditions(device) as conditions:
+                timing = bench(lambda: a @ b, label=f"matmul {name}", device=device, warmup=1, min_blocks=5,
+                               min_run_time=BURST_S if on_gpu else 0.1)
+        else:
+            heat_until = time.perf_counter() + (0.5 if on_gpu else 0.05)
+            while time.perf_counter() < heat_until:
+                a @ b
+                synchronize(device)
+            with gpu_conditions(device) as conditions:
+                timing = bench(lambda: a @ b, label=f"matmul {name}", device=device, warmup=0, min_blocks=10,
+                               min_run_time=SUSTAINED_S if on_gpu else 0.5)
     finally:
         torch.set_float32_matmul_precision(previous)
-    return Rate(f"matmul {name} (n={n})", tflops(2 * n**3, timing), "TFLOP/s", timing)
+    return Rate(f"matmul {name} (n={n}), {kind}", tflops(2 * n**3, timing), "TFLOP/s", timing, conditions)
 
 
 def host_to_device_bandwidth(

@@ -1,4 +1,5 @@
-"""Where the course runs: device choice, what the device can do, and a one-call environment report.
+"""Where the course runs: device choice, what the device can do, a one-call environment report, and readings
+taken off the GPU while it works (SM clock, board power, why the clock is held back, the PCIe link).
 
 Every notebook starts with ``device = utils.env.get_device()`` and sizes its work with
 ``utils.env.by_device(device, cpu=..., cuda=...)``, so the same cells run on a laptop CPU, a Colab T4 and an H100.
@@ -6,14 +7,18 @@ Every notebook starts with ``device = utils.env.get_device()`` and sizes its wor
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import random
 import re
 import shutil
+import statistics
 import subprocess
 import sys
-from dataclasses import dataclass
+import threading
+import time
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import torch
@@ -261,3 +266,292 @@ def report(device: torch.device | str | None = None) -> str:
 def print_report(device: torch.device | str | None = None) -> None:
     """Print :func:`report` (the setup cell of every notebook calls this)."""
     print(report(device))
+
+
+# ── Readings off the GPU while it works: clocks, power, why the clock is held back, the host link ────────────
+
+#: NVML's clock-event ("throttle") reason bits, named as a reader would say them. The bit values are NVML's
+#: ABI (nvml.h, ``nvmlClocksEventReason*``), the same in every driver since they were introduced.
+CLOCK_EVENT_REASONS = {
+    0x1: "idle",
+    0x2: "application clock setting",
+    0x4: "power cap",
+    0x8: "hardware slowdown",
+    0x10: "sync boost",
+    0x20: "thermal (software)",
+    0x40: "thermal (hardware)",
+    0x80: "power brake (hardware)",
+    0x100: "display clock setting",
+}
+
+
+def clock_reason_names(mask: int) -> list[str]:
+    """The reasons set in an NVML clock-event bitmask, e.g. ``0x4`` → ``["power cap"]``; unknown bits as hex."""
+    names = [name for bit, name in CLOCK_EVENT_REASONS.items() if mask & bit]
+    unknown = mask & ~sum(CLOCK_EVENT_REASONS)
+    return names + ([f"other (0x{unknown:x})"] if unknown else [])
+
+
+@dataclass(frozen=True)
+class GpuSample:
+    """One reading: seconds since sampling started, SM clock (MHz), board power (W), clock-event bitmask."""
+
+    t_s: float
+    sm_clock_mhz: float | None
+    power_w: float | None
+    reasons: int
+
+
+@dataclass
+class GpuConditions:
+    """What the GPU ran at while a measurement ran: readings every few milliseconds, and their summary.
+
+    ``source`` says where the readings came from (``"NVML"`` or ``"nvidia-smi"``); when none could be taken,
+    ``samples`` is empty and ``unavailable`` says why (a CPU device, no NVIDIA driver, a VM that hides it, ...).
+    """
+
+    device: str
+    source: str | None = None
+    unavailable: str | None = None
+    max_sm_clock_mhz: float | None = None
+    power_limit_w: float | None = None
+    samples: list[GpuSample] = field(default_factory=list)
+
+    def _values(self, name: str) -> list[float]:
+        return [v for s in self.samples if (v := getattr(s, name)) is not None]
+
+    @property
+    def sm_clock_mhz(self) -> float | None:
+        """Median SM clock over the samples."""
+        values = self._values("sm_clock_mhz")
+        return statistics.median(values) if values else None
+
+    @property
+    def power_w(self) -> float | None:
+        """Median board power over the samples (NVML averages it over a short window of its own)."""
+        values = self._values("power_w")
+        return statistics.median(values) if values else None
+
+    @property
+    def max_power_w(self) -> float | None:
+        values = self._values("power_w")
+        return max(values) if values else None
+
+    def reasons(self, share: float = 0.25) -> list[str]:
+        """Clock-event reasons active in at least ``share`` of the samples ("idle" left out: we are working)."""
+        if not self.samples:
+            return []
+        counts: dict[str, int] = {}
+        for sample in self.samples:
+            for name in clock_reason_names(sample.reasons):
+                counts[name] = counts.get(name, 0) + 1
+        return [n for n, c in counts.items() if c >= share * len(self.samples) and n != "idle"]
+
+    def __str__(self) -> str:
+        if not self.samples:
+            return f"no clock or power readings: {self.unavailable or 'nothing was sampled'}"
+        parts = []
+        if self.sm_clock_mhz is not None:
+            top = f" of {self.max_sm_clock_mhz:,.0f} max" if self.max_sm_clock_mhz else ""
+            parts.append(f"SM clock {self.sm_clock_mhz:,.0f} MHz{top}")
+        if self.power_w is not None:
+            cap = f" (limit {self.power_limit_w:,.0f} W)" if self.power_limit_w else ""
+            parts.append(f"{self.power_w:,.0f} W{cap}")
+        held = self.reasons()
+        parts.append(f"clock held back by: {', '.join(held)}" if held else "clock not held back")
+        return " · ".join(parts) + f" [{len(self.samples)} {self.source} readings]"
+
+
+class _Reader:
+    """Reads one GPU's clock, power and clock-event reasons through NVML, else nvidia-smi."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.source: str | None = None
+        self.unavailable: str | None = None
+        self.max_sm_clock_mhz: float | None = None
+        self.power_limit_w: float | None = None
+        self._nvml = self._handle = self._smi = None
+        if device.type != "cuda":
+            self.unavailable = "a CPU has no GPU clock or board power to read"
+            return
+        why_not_nvml = self._open_nvml()
+        if why_not_nvml is None:
+            self.source = "NVML"
+            return
+        smi = shutil.which("nvidia-smi")
+        if smi is not None and self._smi_read(smi) is not None:
+            self.source, self._smi = "nvidia-smi", smi
+            return
+        self.unavailable = f"NVML: {why_not_nvml}; nvidia-smi: {'not found' if smi is None else 'gave no reading'}"
+
+    def _uuid(self) -> str | None:
+        uuid = getattr(torch.cuda.get_device_properties(self.device), "uuid", None)
+        if uuid is None:
+            return None
+        text = str(uuid)
+        return text if text.startswith("GPU-") else f"GPU-{text}"
+
+    def _open_nvml(self) -> str | None:
+        try:
+            import pynvml
+        except ImportError:
+            return "the nvidia-ml-py package is not installed (pip install nvidia-ml-py)"
+        try:
+            pynvml.nvmlInit()
+            handle = None
+            uuid = self._uuid()
+            if uuid is not None:
+                with contextlib.suppress(pynvml.NVMLError):
+                    handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
+            if handle is None:  # CUDA's numbering can differ from NVML's: torch maps it (CUDA_VISIBLE_DEVICES)
+                index_of = getattr(torch.cuda, "_get_nvml_device_index", lambda d: d.index or 0)
+                handle = pynvml.nvmlDeviceGetHandleByIndex(index_of(self.device))
+            self._nvml, self._handle = pynvml, handle
+            with contextlib.suppress(pynvml.NVMLError):
+                self.max_sm_clock_mhz = float(pynvml.nvmlDeviceGetMaxClockInfo(handle, pynvml.NVML_CLOCK_SM))
+            with contextlib.suppress(pynvml.NVMLError):
+                self.power_limit_w = pynvml.nvmlDeviceGetEnforcedPowerLimit(handle) / 1000
+            if self.read() is None:
+                return "the driver answered but gave no clock or power reading"
+        except Exception as err:  # NVMLError and its many subclasses, or a driver without the library
+            return f"{type(err).__name__}: {err}"
+        return None
+
+    def _smi_read(self, smi: str) -> tuple[float | None, float | None, int] | None:
+        target = self._uuid() or str(self.device.index or 0)
+        try:
+            out = subprocess.run([smi, "-i", target, "--format=csv,noheader,nounits",
+                                  "--query-gpu=clocks.sm,power.draw,clocks_throttle_reasons.active"],
+                                 capture_output=True, text=True, timeout=5, check=True).stdout
+            clock, power, reasons = (field.strip() for field in out.strip().splitlines()[0].split(","))
+        except (subprocess.SubprocessError, OSError, ValueError, IndexError):
+            return None
+
+        def number(text: str) -> float | None:
+            try:
+                return float(text)
+            except ValueError:  # "[N/A]", "[Not Supported]"
+                return None
+
+        try:
+            mask = int(reasons, 16)
+        except ValueError:
+            mask = 0
+        return number(clock), number(power), mask
+
+    def read(self) -> tuple[float | None, float | None, int] | None:
+        """(SM MHz, W, reason bitmask), or None if nothing could be read."""
+        if self._nvml is not None:
+            nvml, h = self._nvml, self._handle
+            clock = power = None
+            mask = 0
+            with contextlib.suppress(nvml.NVMLError):
+                clock = float(nvml.nvmlDeviceGetClockInfo(h, nvml.NVML_CLOCK_SM))
+            with contextlib.suppress(nvml.NVMLError):
+                power = nvml.nvmlDeviceGetPowerUsage(h) / 1000
+            reasons = getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or \
+                nvml.nvmlDeviceGetCurrentClocksThrottleReasons
+            with contextlib.suppress(nvml.NVMLError):
+                mask = int(reasons(h))
+            return None if clock is None and power is None else (clock, power, mask)
+        if self.source == "nvidia-smi":
+            return self._smi_read(self._smi)
+        return None
+
+
+@contextlib.contextmanager
+def gpu_conditions(device: torch.device | str | None = None, *, interval_s: float = 0.02):
+    """Sample the GPU's SM clock, board power and clock-event reasons in a background thread during a block::
+
+        with utils.env.gpu_conditions(device) as conditions:
+            timing = utils.bench.bench(work)
+        print(conditions)  # "SM clock 1,755 MHz of 1,980 max · 690 W (limit 700 W) · clock held back by: power cap"
+
+    NVML (``nvidia-ml-py``) is read every ``interval_s``; without it, ``nvidia-smi`` every 0.2 s at most. On a
+    CPU, or where neither answers, the block runs unobserved and the result says why. One reading is always
+    taken at the end, so a block shorter than the interval still gets one.
+    """
+    device = get_device(device)
+    reader = _Reader(device)
+    conditions = GpuConditions(device=str(device), source=reader.source, unavailable=reader.unavailable,
+                               max_sm_clock_mhz=reader.max_sm_clock_mhz, power_limit_w=reader.power_limit_w)
+    if reader.source is None:
+        yield conditions
+        return
+    interval = interval_s if reader.source == "NVML" else max(interval_s, 0.2)
+    stop = threading.Event()
+    start = time.perf_counter()
+
+    def sample() -> None:
+        reading = reader.read()
+        if reading is not None:
+            conditions.samples.append(GpuSample(time.perf_counter() - start, *reading))
+
+    def loop() -> None:
+        while not stop.wait(interval):
+            sample()
+
+    thread = threading.Thread(target=loop, name="gpu-conditions", daemon=True)
+    thread.start()
+    try:
+        yield conditions
+    finally:
+        stop.set()
+        thread.join(timeout=10)
+        sample()
+
+
+@dataclass(frozen=True)
+class HostLink:
+    """The GPU's link to the host: PCIe generation and width, and the bandwidth that gives per direction."""
+
+    generation: int
+    width: int
+    source: str
+
+    #: usable GB/s per lane and direction after line encoding (8b/10b up to gen 2, 128b/130b from gen 3)
+    PER_LANE_GBPS = {1: 0.25, 2: 0.5, 3: 0.985, 4: 1.969, 5: 3.938, 6: 7.563}
+
+    @property
+    def gbps(self) -> float | None:
+        per_lane = self.PER_LANE_GBPS.get(self.generation)
+        return per_lane * self.width if per_lane else None
+
+    def __str__(self) -> str:
+        rate = f"{self.gbps:.1f} GB/s per direction" if self.gbps else "unknown rate"
+        return f"PCIe gen {self.generation} x{self.width}: {rate} ({self.source})"
+
+
+def host_link(device: torch.device | str | None = None) -> HostLink | str:
+    """The PCIe link between the host and this GPU at its best (max generation and width), or why it is unknown.
+
+    Reads NVML's maximum link generation and width (the current ones drop while the GPU idles, to save power),
+    else ``nvidia-smi --query-gpu=pcie.link.gen.max,pcie.link.width.max``. Returns a sentence instead of a
+    :class:`HostLink` on a CPU, or where neither answers (some VMs hide the link).
+    """
+    device = get_device(device)
+    if device.type != "cuda":
+        return "a CPU device has no host link"
+    reader = _Reader(device)
+    if reader.source == "NVML":
+        nvml, h = reader._nvml, reader._handle
+        try:
+            # the most this GPU *in this slot* can do (a gen 5 GPU in a gen 4 slot runs gen 4)
+            gen, width = nvml.nvmlDeviceGetMaxPcieLinkGeneration(h), nvml.nvmlDeviceGetMaxPcieLinkWidth(h)
+            return HostLink(int(gen), int(width), "NVML")
+        except Exception as err:  # NVMLError: not supported here
+            why = f"NVML: {type(err).__name__}: {err}"
+    else:
+        why = reader.unavailable or "no NVML"
+    smi = shutil.which("nvidia-smi")
+    if smi is not None:
+        try:
+            out = subprocess.run([smi, "-i", reader._uuid() or str(device.index or 0), "--format=csv,noheader",
+                                  "--query-gpu=pcie.link.gen.max,pcie.link.width.max"],
+                                 capture_output=True, text=True, timeout=5, check=True).stdout
+            gen, width = (int(v.strip()) for v in out.strip().splitlines()[0].split(","))
+            return HostLink(gen, width, "nvidia-smi")
+        except (subprocess.SubprocessError, OSError, ValueError, IndexError):
+            why += "; nvidia-smi gave no PCIe reading"
+    return f"the host link could not be read ({why})"

@@ -81,11 +81,13 @@ def bar(
     reference_label: str | None = None,
     horizontal: bool = False,
     highlight: Sequence[int] = (),
+    value_range: tuple[float, float] | None = None,
 ):
     """Bars with their values written on them, optional error bars (e.g. IQR) and a reference line (a peak).
 
     ``highlight`` lists bars drawn in a second colour (e.g. "measured here" among datasheet values).
-    Returns the Figure.
+    ``value_range`` zooms the value axis (e.g. accuracies between 90 and 96%, so that differences and their error
+    bars are visible); the title should say the axis does not start at zero. Returns the Figure.
     """
     if len(labels) != len(values) or (errors is not None and len(errors) != len(values)):
         raise ValueError("bar(): labels, values (and errors) must have the same length")
@@ -112,6 +114,8 @@ def bar(
         (ax.axvline if horizontal else ax.axhline)(reference, color="#C44E52", linestyle="--", linewidth=1.2,
                                                    label=reference_label or f"reference {reference:.3g}")
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9, frameon=False)  # outside: no overlap
+    if value_range is not None:
+        (ax.set_xlim if horizontal else ax.set_ylim)(*value_range)
     ax.set_title(title)
     ax.grid(axis="x" if horizontal else "y", alpha=0.3)
     fig.tight_layout()

@@ -1,4 +1,5 @@
-"""The language-model training step the course measures, with every mixed-precision option in one place.
+"""The training steps the course measures: the language-model step with every mixed-precision option in one place,
+and a whole step captured in a CUDA graph.
 
 :func:`train_step` is the production step of notebook 03 (autocast, GradScaler, unscale before clipping) and the
 step notebook 04 compiles; keeping it here means both measure the same code.
@@ -54,3 +55,90 @@ def train_step(
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
         optimizer.step()
     return loss.detach()
+
+
+class GraphedStep:
+    """A whole training step — forward, loss, backward and optimizer step — captured in a CUDA graph and replayed.
+
+    Eager PyTorch launches every kernel of a step from Python, one by one; when the kernels are small the GPU
+    waits for those launches (the step is *launch-bound*). A CUDA graph records the step's kernels once and
+    replays all of them with a single launch. ``GraphedStep(model, optimizer, loss_fn)(x, y)`` runs one step on
+    the batch and returns the loss as a device tensor (a static buffer that the next call overwrites: add it to
+    a running total, or clone it, before calling again).
+
+    Capture rules that it handles for you:
+
+    * one graph per input shape (the last batch of an epoch is often smaller), each with its own memory pool;
+    * warm-up steps on a side stream before capture (cuBLAS and autograd set-up must not be recorded) — their
+      effect on the weights and the optimizer state is undone afterwards, so the first real call continues
+      exactly where eager training would;
+    * gradients are allocated inside the graph (``zero_grad(set_to_none=True)`` before capture), so each replay
+      writes them afresh.
+
+    The optimizer must be graph-safe: ``capturable=True`` (Adam, AdamW, ... keep their step count on the GPU)
+    or ``fused=True``. Dropout works (PyTorch's CUDA RNG is graph-aware). Inputs are copied into the graph's
+    static buffers on every call: pass tensors already on the GPU.
+
+    Raises:
+        RuntimeError: on a model that is not on a CUDA device.
+        ValueError: for an optimizer that is not graph-safe.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn, *, warmup: int = 3,
+                 amp_dtype: torch.dtype | None = None) -> None:
+        unsafe = [i for i, g in enumerate(optimizer.param_groups) if not (g.get("capturable") or g.get("fused"))]
+        if unsafe:
+            raise ValueError(f"the optimizer is not graph-safe (param groups {unsafe}): create it with "
+                             "capturable=True or fused=True")
+        self.device = next(model.parameters()).device
+        if self.device.type != "cuda":
+            raise RuntimeError(f"CUDA graphs need a CUDA device; the model is on {self.device}")
+        self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
+        self.warmup, self.amp_dtype = warmup, amp_dtype
+        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def _step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cuda", dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
+            loss = self.loss_fn(self.model(x), y)
+        loss.backward()
+        self.optimizer.step()
+        return loss.detach()
+
+    def _capture(self, x: torch.Tensor, y: torch.Tensor):
+        params = {p: p.detach().clone() for p in [*self.model.parameters(), *self.model.buffers()]}
+        state = {id(t): t.clone() for s in self.optimizer.state.values() for t in s.values()
+                 if isinstance(t, torch.Tensor)}
+        static_x, static_y = x.clone(), y.clone()
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(self.warmup):
+                self.optimizer.zero_grad(set_to_none=True)
+                self._step(static_x, static_y)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        self.optimizer.zero_grad(set_to_none=True)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_loss = self._step(static_x, static_y)
+        with torch.no_grad():  # undo the warm-up steps: weights and buffers back, optimizer state as it was
+            for p, saved in params.items():
+                p.copy_(saved)
+            for s in self.optimizer.state.values():
+                for t in s.values():
+                    if not isinstance(t, torch.Tensor):
+                        continue
+                    if id(t) in state:
+                        t.copy_(state[id(t)])
+                    else:  # created by the warm-up: a fresh optimizer starts from zeros (Adam's step, moments)
+                        t.zero_()
+        return graph, static_x, static_y, static_loss
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        key = (tuple(x.shape), x.dtype, tuple(y.shape), y.dtype)
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(x, y)
+        graph, static_x, static_y, static_loss = self.graphs[key]
+        static_x.copy_(x)
+        static_y.copy_(y)
+        graph.replay()
+        return static_loss

@@ -1,0 +1,85 @@
+"""utils.profile: a step's kernels, busy vs idle time, top kernels, the Perfetto trace (CPU here, GPU when present)."""
+
+import json
+
+import pytest
+import torch
+
+from utils import profile
+
+
+def steps_profile(kernels, *, steps=1, wall_s=1e-3, on_gpu=True):
+    return profile.StepProfile(device="cuda:0" if on_gpu else "cpu", steps=steps, wall_s=wall_s,
+                               kernels=[profile.Kernel(*k) for k in kernels], on_gpu=on_gpu)
+
+
+def test_busy_time_is_the_union_of_kernel_intervals():
+    # two kernels overlap (two streams) for 50 µs, a third runs alone: busy 150 + 100 = 250 µs of a 1 ms step
+    prof = steps_profile([("a", 0.0, 100.0), ("b", 50.0, 100.0), ("c", 500.0, 100.0)])
+    assert prof.busy_s == pytest.approx(250e-6)
+    assert prof.idle_s == pytest.approx(750e-6) and prof.idle_fraction == pytest.approx(0.75)
+    assert prof.kernels_per_step == 3
+
+
+def test_per_step_numbers_divide_by_steps():
+    prof = steps_profile([("k", 0.0, 10.0), ("k", 100.0, 10.0)], steps=2, wall_s=100e-6)
+    assert prof.kernels_per_step == 1 and prof.busy_s == pytest.approx(10e-6)
+    assert prof.top_kernels()[0]["calls per step"] == "1"
+
+
+def test_bottleneck_reads_the_idle_share():
+    idle = steps_profile([("ampere_sgemm_64x64", 0.0, 100.0)], wall_s=1e-3)
+    assert idle.bottleneck().startswith("launch-bound: the GPU is idle 90%")
+    busy = steps_profile([("sm90_xmma_gemm_bf16", 0.0, 900.0), ("elementwise", 900.0, 80.0)], wall_s=1e-3)
+    text = busy.bottleneck()
+    assert text.startswith("GPU-bound: busy 98%") and "matmul kernels take 92%" in text
+
+
+def test_kinds_and_top_kernels():
+    prof = steps_profile([("nvjet_hsh_256x128", 0.0, 300.0), ("flash_fwd_kernel", 300.0, 200.0),
+                          ("vectorized_elementwise_kernel", 500.0, 100.0), ("nvjet_hsh_256x128", 600.0, 300.0)])
+    kinds = prof.time_by_kind()
+    assert kinds == pytest.approx({"matmul": 600e-6, "attention": 200e-6, "other": 100e-6})
+    top = prof.top_kernels(2)
+    assert top[0]["kernel"] == "nvjet_hsh_256x128" and top[0]["share of busy"] == "67%"
+    assert len(top) == 2 and set(prof.summary_row("eager")) >= {"step", "busy", "idle", "kernels"}
+
+
+def test_profile_steps_on_cpu_lists_top_level_operators_and_saves_a_trace(tmp_path):
+    layer = torch.nn.Linear(64, 64)
+    x = torch.randn(32, 64)
+    prof = profile.profile_steps(lambda: torch.relu(layer(x)), steps=4, device="cpu",
+                                 trace_path=tmp_path / "trace.json")
+    names = [k.name for k in prof.kernels]
+    assert names.count("aten::linear") == 4 and names.count("aten::relu") == 4  # nested ops are not listed
+    assert prof.kernels_per_step == 2 and 0 < prof.busy_s <= prof.wall_s * 1.05
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    assert any(e.get("name") == "aten::linear" for e in trace["traceEvents"])
+    assert "on the CPU" in prof.bottleneck()
+
+
+def test_step_time_from_the_caller_is_used_for_idle():
+    prof = profile.profile_steps(lambda: torch.randn(16, 16) @ torch.randn(16, 16), steps=2, device="cpu",
+                                 step_s=1.0)
+    assert prof.wall_s == 1.0 and prof.idle_fraction > 0.99
+
+
+def test_bad_arguments_are_clear_errors():
+    with pytest.raises(TypeError, match="callable"):
+        profile.profile_steps("not a function", device="cpu")
+    with pytest.raises(ValueError, match="steps"):
+        profile.profile_steps(lambda: None, steps=0, device="cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_kernels_exclude_annotations_and_fit_in_the_step():
+    a = torch.randn(1024, 1024, device="cuda")
+
+    def step():
+        with torch.profiler.record_function("my_range"):
+            return (a @ a).relu()
+
+    prof = profile.profile_steps(step, steps=3, device="cuda")
+    names = [k.name for k in prof.kernels]
+    assert "my_range" not in names and prof.kernels_per_step >= 2
+    assert prof.busy_s <= 1.05 * prof.wall_s and prof.time_by_kind()["matmul"] > 0

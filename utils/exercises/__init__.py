@@ -1,0 +1,89 @@
+"""The notebooks' self-checking exercises: one module per notebook, each check a function of the reader's answer.
+
+An exercise cell ships as a stub the reader completes (it raises ``NotImplementedError``); the cell after it
+calls a check from here, e.g. ``utils.exercises.install_check.ridge_point(ridge_point)``, which prints one of
+
+    ⏳ not attempted yet: ...            the stub still raises NotImplementedError (or returns the placeholder)
+    ✅ correct: ...                     the answer passed every test the check runs
+    ❌ not yet right: ...               what is wrong, e.g. "off by 1,000: TFLOP/s is 10¹², GB/s only 10⁹"
+
+and returns the :class:`Feedback`. A check never raises and never stops the notebook: nbmake and the reference
+run pass with the stubs in place. A check tests *behaviour* on cases it builds itself (known answers from an
+independent source, properties the answer must have, or what PyTorch does when asked) and never re-computes
+the formula the exercise text gave. Solutions live outside the notebooks, in ``tests/solutions/``; the tests
+prove that every check accepts its solution and rejects the stub and at least one plausible wrong answer.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+Status = Literal["not attempted", "correct", "wrong"]
+_ICONS = {"not attempted": "⏳ not attempted yet", "correct": "✅ correct", "wrong": "❌ not yet right"}
+
+
+class Miss(Exception):
+    """Raised inside a check with what is wrong with the answer, in words the reader can act on."""
+
+
+class NotAttempted(Exception):
+    """Raised inside a check when the answer is still the shipped placeholder."""
+
+
+@dataclass(frozen=True)
+class Feedback:
+    """The outcome of one exercise check."""
+
+    exercise: str
+    status: Status
+    message: str
+
+    @property
+    def correct(self) -> bool:
+        return self.status == "correct"
+
+    def __str__(self) -> str:
+        return f"{_ICONS[self.status]} · {self.exercise}: {self.message}"
+
+
+def exercise(title: str) -> Callable[[Callable[..., str]], Callable[..., Feedback]]:
+    """Decorate a check: it returns a success message or raises :class:`Miss` / :class:`NotAttempted`; the
+    decorated function prints and returns a :class:`Feedback` instead, and never raises.
+
+    ``NotImplementedError`` from the reader's code means the stub is still there; any other exception from it
+    is reported as what is wrong (its type and message), since a correct answer does not raise.
+    """
+
+    def decorate(check: Callable[..., str]) -> Callable[..., Feedback]:
+        @functools.wraps(check)
+        def run(*args, **kwargs) -> Feedback:
+            try:
+                feedback = Feedback(title, "correct", check(*args, **kwargs))
+            except (NotImplementedError, NotAttempted) as err:
+                detail = str(err) or "replace the `raise NotImplementedError` with your answer"
+                feedback = Feedback(title, "not attempted", detail)
+            except Miss as miss:
+                feedback = Feedback(title, "wrong", str(miss))
+            except Exception as err:  # the reader's code failed: say how, never stop the notebook
+                first_line = (str(err).strip().splitlines() or [""])[0][:300]
+                feedback = Feedback(title, "wrong", f"your code raised {type(err).__name__}: {first_line}")
+            print(feedback)
+            return feedback
+
+        return run
+
+    return decorate
+
+
+def close(value: float, expected: float, rel: float = 1e-6) -> bool:
+    """True if ``value`` is within ``rel`` (relative) of ``expected``."""
+    return abs(value - expected) <= rel * abs(expected)
+
+
+from utils.exercises import device_management, install_check, training_loop  # noqa: E402  (they use the above)
+
+__all__ = ["Feedback", "Miss", "NotAttempted", "close", "device_management", "exercise", "install_check",
+           "training_loop"]

@@ -1,0 +1,258 @@
+"""Where a step's time goes, read off ``torch.profiler``: the kernels a step runs, how long the GPU is busy and
+how long it waits, the top kernels, time by kind (matmul, attention, other), and a trace for Perfetto.
+
+    prof = utils.profile.profile_steps(lambda: train_step(...), step_s=timing.median_s, trace_path="step.json")
+    print(prof.bottleneck())     # "launch-bound: the GPU is idle 62% of the step (47 kernels, 9.8 µs each) ..."
+    utils.plot.table(prof.top_kernels(8))
+
+On a GPU the kernels are what the GPU really ran — compute kernels, copies and memsets, as CUPTI records them.
+Ranges that code marks with ``record_function`` (e.g. ``Optimizer.step#AdamW.step``) are drawn on the GPU timeline
+too, around the kernels inside them; they are annotations, not work, and are left out so nothing is counted twice.
+*Busy* time is the union of the kernels' intervals (kernels on two streams that overlap count once); *idle* is the
+rest of the step, when the GPU waited for the CPU to give it work.
+
+On a CPU there is no separate device: the "kernels" are the top-level operators the step called (what the CPU
+ran on behalf of PyTorch), busy time is the time inside them, and idle time is the Python, data loading and
+dispatch between them.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+
+from utils.env import get_device, synchronize
+
+#: Kernel and operator names of matrix multiplies: cuBLAS/cuBLASLt (gemm, nvjet, xmma, cutlass), Triton matmul
+#: templates, and the ATen operators on a CPU.
+MATMUL = re.compile(r"gemm|nvjet|xmma|cutlass|cublas|triton_tem|^aten::(mm|addmm|bmm|baddbmm|_addmm_activation|"
+                    r"matmul|linear)$", re.IGNORECASE)
+#: Attention kernels and operators (FlashAttention, memory-efficient, cuDNN, SDPA).
+ATTENTION = re.compile(r"flash|fmha|attention|sdpa|scaled_dot_product", re.IGNORECASE)
+#: Profiler events that are wrappers, not work (compiled-graph calls, Dynamo frames, profiler steps).
+_WRAPPERS = ("TorchDynamo", "Torch-Compiled", "Pregraph", "AOTDispatcher", "## ", "ProfilerStep", "CompiledFunction")
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One piece of device work (a GPU kernel, copy or memset) or, on a CPU, one top-level operator call."""
+
+    name: str
+    start_us: float
+    duration_us: float
+
+    @property
+    def end_us(self) -> float:
+        return self.start_us + self.duration_us
+
+
+def kind_of(name: str) -> str:
+    """'matmul', 'attention' or 'other' for a kernel or operator name."""
+    if MATMUL.search(name):
+        return "matmul"
+    if ATTENTION.search(name):
+        return "attention"
+    return "other"
+
+
+@dataclass
+class StepProfile:
+    """What ``steps`` calls of a step ran, per step. Build it with :func:`profile_steps`."""
+
+    device: str
+    steps: int
+    wall_s: float  # one step: the time given by the caller (utils.bench) or, else, measured under the profiler
+    kernels: list[Kernel]
+    on_gpu: bool
+    trace_path: Path | None = None
+    profiled_wall_s: float = 0.0  # one step as measured under the profiler (which adds overhead of its own)
+    _busy_s: float | None = field(default=None, repr=False)
+
+    @property
+    def kernels_per_step(self) -> float:
+        return len(self.kernels) / self.steps
+
+    @property
+    def busy_s(self) -> float:
+        """Seconds per step in which the device works: the union of the kernels' intervals (operators on CPU)."""
+        if self._busy_s is None:
+            total_us, end_us = 0.0, -float("inf")
+            for k in sorted(self.kernels, key=lambda k: k.start_us):
+                start = max(k.start_us, end_us)
+                if k.end_us > start:
+                    total_us += k.end_us - start
+                end_us = max(end_us, k.end_us)
+            self._busy_s = total_us / 1e6 / self.steps
+        return self._busy_s
+
+    @property
+    def idle_s(self) -> float:
+        """Seconds per step in which no kernel ran (on CPU: no operator ran): the device waited for the host."""
+        return max(0.0, self.wall_s - self.busy_s)
+
+    @property
+    def idle_fraction(self) -> float:
+        return self.idle_s / self.wall_s if self.wall_s > 0 else 0.0
+
+    def time_by_kind(self) -> dict[str, float]:
+        """Seconds per step of matmul, attention and other kernels (summed durations, see :func:`kind_of`)."""
+        out = {"matmul": 0.0, "attention": 0.0, "other": 0.0}
+        for k in self.kernels:
+            out[kind_of(k.name)] += k.duration_us / 1e6 / self.steps
+        return out
+
+    def top_kernels(self, n: int = 8) -> list[dict[str, object]]:
+        """Table rows of the ``n`` kernels (by name, every launch summed) that take the most time per step."""
+        total = Counter()
+        calls = Counter()
+        for k in self.kernels:
+            total[k.name] += k.duration_us
+            calls[k.name] += 1
+        busy_us = sum(total.values()) or 1.0
+        what = "kernel" if self.on_gpu else "operator"
+        return [{what: name if len(name) <= 70 else name[:67] + "...",
+                 "calls per step": f"{calls[name] / self.steps:.3g}",
+                 "time per step": _format_us(us / self.steps), "share of busy": f"{us / busy_us:.0%}",
+                 "kind": kind_of(name)}
+                for name, us in total.most_common(n)]
+
+    def summary_row(self, label: str) -> dict[str, object]:
+        """One table row: step time, busy, idle, kernels per step and the time by kind."""
+        kinds = self.time_by_kind()
+        return {"step": label, "wall": _format_us(self.wall_s * 1e6), "busy": _format_us(self.busy_s * 1e6),
+                "idle": f"{self.idle_fraction:.0%}", "kernels": f"{self.kernels_per_step:.0f}"
+                if self.on_gpu else "—", "matmul": _format_us(kinds["matmul"] * 1e6),
+                "attention": _format_us(kinds["attention"] * 1e6), "other": _format_us(kinds["other"] * 1e6)}
+
+    def bottleneck(self) -> str:
+        """One sentence on what bounds this step, from the numbers: waiting for the host, or which kind of work."""
+        per_kernel_us = self.busy_s * 1e6 / max(self.kernels_per_step, 1)
+        if self.on_gpu:
+            where = (f"the GPU is idle {self.idle_fraction:.0%} of the step "
+                     f"({_format_us(self.idle_s * 1e6)} of {_format_us(self.wall_s * 1e6)}; "
+                     f"{self.kernels_per_step:.0f} kernels, {_format_us(per_kernel_us)} each on average)")
+            if self.idle_fraction >= 0.5:
+                return (f"launch-bound: {where} — the CPU cannot issue work as fast as the GPU does it; fewer, larger "
+                        "kernels help (a larger batch, fusion, CUDA graphs), faster kernels do not")
+            if self.idle_fraction >= 0.2:
+                return f"partly launch-bound: {where}"
+        kinds = self.time_by_kind()
+        largest = max(kinds, key=kinds.get)
+        share = kinds[largest] / max(sum(kinds.values()), 1e-12)
+        top = self.top_kernels(1)
+        top_name = next(iter(top[0].values())) if top else "none"
+        if self.on_gpu:
+            return (f"GPU-bound: busy {1 - self.idle_fraction:.0%} of the step; {largest} kernels take {share:.0%} "
+                    f"of that, the largest single kernel is {top_name}")
+        return (f"on the CPU, operators take {1 - self.idle_fraction:.0%} of the step (the rest is Python and "
+                f"dispatch between them); {largest} takes {share:.0%} of the operator time")
+
+    def __str__(self) -> str:
+        return (f"{self.steps} steps on {self.device}: {_format_us(self.wall_s * 1e6)} per step, "
+                f"busy {_format_us(self.busy_s * 1e6)}, {self.kernels_per_step:.0f} "
+                f"{'kernels' if self.on_gpu else 'operators'} per step")
+
+
+def _format_us(us: float) -> str:
+    if us >= 1e6:
+        return f"{us / 1e6:.3g} s"
+    if us >= 1e3:
+        return f"{us / 1e3:.3g} ms"
+    return f"{us:.3g} µs"
+
+
+def gpu_kernels(prof: profile) -> list[Kernel]:
+    """Every kernel, copy and memset the GPU ran in a finished profile, in start order, annotations left out."""
+    found = [Kernel(e.name, e.time_range.start, e.time_range.end - e.time_range.start) for e in prof.events()
+             if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)]
+    return sorted(found, key=lambda k: k.start_us)
+
+
+def cpu_operators(prof: profile) -> list[Kernel]:
+    """The top-level operators of a CPU profile: calls not inside another operator (annotations do not count as
+    enclosing operators, so the kernels of a compiled graph's call are listed)."""
+
+    def is_wrapper(e) -> bool:
+        return getattr(e, "is_user_annotation", False) or e.name.startswith(_WRAPPERS)
+
+    found = []
+    for e in prof.events():
+        if e.device_type != DeviceType.CPU or is_wrapper(e):
+            continue
+        parent = e.cpu_parent
+        while parent is not None and is_wrapper(parent):
+            parent = parent.cpu_parent
+        if parent is None:
+            found.append(Kernel(e.name, e.time_range.start, e.time_range.end - e.time_range.start))
+    return sorted(found, key=lambda k: k.start_us)
+
+
+def profile_steps(
+    fn: Callable[[], object],
+    *,
+    steps: int = 5,
+    warmup: int = 1,
+    device: torch.device | str | None = None,
+    step_s: float | None = None,
+    trace_path: str | Path | None = None,
+) -> StepProfile:
+    """Run ``fn()`` ``warmup`` times, then ``steps`` times under ``torch.profiler``, and return a :class:`StepProfile`.
+
+    Args:
+        fn: one step, callable without arguments.
+        steps: profiled calls (averaged per step).
+        warmup: unprofiled calls first (compilation, autotuning, cuDNN/cuBLAS set-up stay out of the profile).
+        step_s: the step time measured without the profiler (e.g. ``utils.bench`` median): idle time is computed
+            against it, since the profiler slows the host a little. Default: the wall time under the profiler.
+        trace_path: where to save a Chrome/Perfetto trace (JSON) of the profiled steps; open it at
+            https://ui.perfetto.dev. None: no trace.
+
+    Raises:
+        TypeError: if ``fn`` is not callable.
+        ValueError: for fewer than 1 step or a negative warmup.
+    """
+    if not callable(fn):
+        raise TypeError(f"profile_steps() needs a callable taking no arguments, got {type(fn).__name__}")
+    if steps < 1 or warmup < 0:
+        raise ValueError(f"profile_steps(): need steps >= 1 and warmup >= 0, got {steps} and {warmup}")
+    device = get_device(device)
+    on_gpu = device.type == "cuda"
+    for _ in range(warmup):
+        fn()
+    synchronize(device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    saved_fd, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)  # the profiler's C++ side logs 'profiler start/stop' lines to stderr: keep them out
+    try:
+        with profile(activities=activities) as prof:
+            start = time.perf_counter()
+            for _ in range(steps):
+                fn()
+            synchronize(device)
+            profiled_wall_s = (time.perf_counter() - start) / steps
+    finally:
+        os.dup2(saved_fd, 2)
+        os.close(saved_fd)
+        os.close(devnull)
+    kernels = gpu_kernels(prof) if on_gpu else cpu_operators(prof)
+    saved = None
+    if trace_path is not None:
+        saved = Path(trace_path)
+        saved.parent.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(saved))
+    result = StepProfile(device=str(device), steps=steps, wall_s=step_s if step_s is not None else profiled_wall_s,
+                         kernels=kernels, on_gpu=on_gpu, trace_path=saved, profiled_wall_s=profiled_wall_s)
+    # the device cannot be busier than the step is long: more would mean work counted twice
+    if on_gpu and result.busy_s > 1.05 * max(result.wall_s, profiled_wall_s):
+        raise AssertionError(f"GPU busy {result.busy_s * 1e3:.3f} ms per step exceeds the step "
+                             f"({result.wall_s * 1e3:.3f} ms): kernels were counted twice")
+    return result
