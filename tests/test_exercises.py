@@ -12,56 +12,22 @@ import pytest
 import torch
 
 import utils
-from tests.solutions import device_management as dm_solution
-from tests.solutions import install_check as ic_solution
-from tests.solutions import training_loop as tl_solution
 from tools import course
 from utils import exercises
 
-# (check, the solution's arguments, [(what the wrong answer does, its arguments, a phrase the feedback must say)])
-CASES = [
-    (exercises.install_check.ridge_point, [ic_solution.ridge_point], [
-        ("divides TFLOP/s by GB/s", [lambda t, g: t / g], "factor of 1,000"),
-        ("inverts the ratio", [lambda t, g: g * 1e9 / (t * 1e12)], "bytes per FLOP"),
-    ]),
-    (exercises.install_check.min_time_s, [ic_solution.min_time_s], [
-        ("counts only the read", [lambda n, i, b: n * i / (b * 1e9)], "only the read"),
-        ("forgets the 10⁹", [lambda n, i, b: 2 * n * i / b], "units"),
-        ("ignores the element size", [lambda n, i, b: 8 * n / (b * 1e9)], "element size"),
-    ]),
-    (exercises.install_check.rate_at_clock, [ic_solution.rate_at_clock], [
-        ("inverts the clock ratio", [lambda d, m, c: d * m / c], "upside down"),
-        ("subtracts the MHz", [lambda d, m, c: d - (m - c)], "proportion"),
-    ]),
-    (exercises.device_management.normalise_rows, [dm_solution.normalise_rows], [
-        ("hard-codes .cuda()", [lambda x: x.cuda() / x.norm(dim=1, keepdim=True)], "cuda"),
-        ("normalises columns", [lambda x: x / x.norm(dim=0, keepdim=True)], "unit norm"),
-        ("works in place", [lambda x: x.div_(x.norm(dim=1, keepdim=True))], "in place"),
-    ]),
-    (exercises.device_management.load_on_cpu, [dm_solution.load_on_cpu], [
-        ("moves after loading", [lambda p: {k: v.cpu() for k, v in torch.load(p, weights_only=True).items()}],
-         "map_location"),
-    ]),
-    (exercises.device_management.three_stage_time_s, [dm_solution.three_stage_time_s], [
-        ("steady-state bound", [lambda n, a, b, c: n * max(a, b, c)], "steady-state"),
-        ("serial time", [lambda n, a, b, c: n * (a + b + c)], "serial"),
-    ]),
-    (exercises.training_loop.correct_on_device, [tl_solution.correct_on_device], [
-        ("reads the count with .item()", [lambda m, x, y: (m(x).argmax(1) == y).sum().item()], "Python int"),
-        ("returns the accuracy", [lambda m, x, y: (m(x).argmax(1) == y).float().mean()], "fraction"),
-        ("forgets the argmax", [lambda m, x, y: (m(x)[:, 0] > 0).long().eq(y).sum()], "correct predictions"),
-    ]),
-    (exercises.training_loop.checkpoint_round_trip, [tl_solution.save_checkpoint, tl_solution.load_checkpoint], [
-        ("saves the model only",
-         [lambda path, m, o, e: torch.save({"model": m.state_dict(), "epoch": e}, path),
-          lambda path, m, o: m.load_state_dict(torch.load(path, weights_only=True)["model"]) and None or
-          torch.load(path, weights_only=True)["epoch"]],
-         "optimizer.state_dict()"),
-        ("forgets the epoch",
-         [tl_solution.save_checkpoint, lambda path, m, o: tl_solution.load_checkpoint(path, m, o) and None],
-         "returns None"),
-    ]),
-]
+
+def _cases():
+    """(check, solution arguments, wrong answers) for every check of every notebook's module, from the CASES of
+    tests/solutions/<module>.py."""
+    found = []
+    for module_name in exercises.NOTEBOOK_MODULES:
+        solutions = importlib.import_module(f"tests.solutions.{module_name}")
+        for name, (solution, wrong) in solutions.CASES.items():
+            found.append((getattr(getattr(exercises, module_name), name), solution, wrong))
+    return found
+
+
+CASES = _cases()
 IDS = [f"{check.__module__.rsplit('.', 1)[1]}.{check.__name__}" for check, _, _ in CASES]
 
 
@@ -93,11 +59,11 @@ def test_check_never_raises(check, solution, wrong):
 
 
 def test_every_check_has_cases():
-    checks = {(m.__name__, name) for m in (exercises.install_check, exercises.device_management,
-                                           exercises.training_loop)
-              for name, fn in inspect.getmembers(m, inspect.isfunction) if hasattr(fn, "__wrapped__")}
+    checks = {(m.__name__, name) for m in (getattr(exercises, n) for n in exercises.NOTEBOOK_MODULES)
+              for name, fn in inspect.getmembers(m, inspect.isfunction)
+              if hasattr(fn, "__wrapped__") and fn.__module__ == m.__name__}
     covered = {(check.__module__, check.__name__) for check, _, _ in CASES}
-    assert checks == covered, f"checks without test cases: {checks - covered}"
+    assert checks == covered, f"checks without CASES in tests/solutions: {checks - covered}"
 
 
 # ── The stubs the notebooks ship ──────────────────────────────────────────────────────────────────────────────

@@ -91,14 +91,20 @@ def test_merge_results_keeps_other_notebooks(tmp_path):
         "00_a": {"z": {"value": 3.0, "unit": "s"}}, "01_b": {"y": {"value": 2.0, "unit": "s"}}}
 
 
-def test_readme_tables_render_headlines_from_results(tmp_path):
+def test_readme_tables_render_headlines_and_one_column_per_gpu(tmp_path):
+    (tmp_path / "h200.json").write_text(json.dumps({"00_install_check": {
+        "matmul_tflops_bf16_burst": {"value": 777.8, "unit": "TFLOP/s"},
+        "matmul_tflops_bf16_sustained": {"value": 665.0, "unit": "TFLOP/s"},
+        "copy_gbps": {"value": 4262.0, "unit": "GB/s"}}}))
     (tmp_path / "h100.json").write_text(json.dumps({"00_install_check": {
-        "matmul_tflops_bf16": {"value": 712.3, "unit": "TFLOP/s"}, "copy_gbps": {"value": 2950.0, "unit": "GB/s"}}}))
+        "copy_gbps": {"value": 3011.0, "unit": "GB/s"}, "matmul_tflops_fp32": {"value": 51.6, "unit": "TFLOP/s"}}}))
     readme = ("intro\n<!-- notebooks:start -->\nold\n<!-- notebooks:end -->\n"
               "<!-- results:start -->\nold\n<!-- results:end -->\n")
     text = readme_tables.render(readme, tmp_path)
-    assert "bf16 matmul 712 TFLOP/s · copy 2,950 GB/s" in text
-    assert "| h100 | 00_install_check | `copy_gbps` | 2,950 GB/s |" in text
+    assert "bf16 matmul 778 burst / 665 sustained TFLOP/s · copy 4,262 GB/s" in text  # the H200's headline
+    assert "| Notebook | Figure | H200 | H100 |" in text  # the reference GPU first
+    assert "| 00_install_check | `copy_gbps` | 4,262 GB/s | 3,011 GB/s |" in text
+    assert "| 00_install_check | `matmul_tflops_fp32` | — | 51.6 TFLOP/s |" in text  # recorded on one GPU only
     assert "old" not in text and text.startswith("intro\n")
 
 

@@ -223,10 +223,17 @@ def speedup_table(timings: Sequence[Timing], *, baseline: int = 0) -> list[dict[
     base = timings[baseline]
     return [
         {"variant": t.label, "median": format_seconds(t.median_s), "IQR": format_seconds(t.iqr_s),
-         "speed-up": f"{base.median_s / t.median_s:.2f}×",
+         "speed-up": _ratio(base.median_s / t.median_s),
          "verdict": "baseline" if i == baseline else compare(base, t).short}
         for i, t in enumerate(timings)
     ]
+
+
+def _ratio(x: float) -> str:
+    """A speed-up or ratio: '1.29×', '0.85×', '0.0012×', '11,401×'."""
+    if x >= 1000:
+        return f"{x:,.0f}×"
+    return f"{x:.2f}×" if x >= 0.1 else f"{x:.2g}×"
 
 
 # ── Verdicts: two timings and their noise → what a reader may conclude ──────────────────────────────────────
@@ -267,21 +274,21 @@ class Comparison:
     def short(self) -> str:
         """'1.29× faster', '1.18× slower' or 'same (noise)': for a table column."""
         if self.outcome == "faster":
-            return f"{self.speedup:.2f}× faster"
+            return f"{_ratio(self.speedup)} faster"
         if self.outcome == "slower":
-            return f"{1 / self.speedup:.2f}× slower"
+            return f"{_ratio(1 / self.speedup)} slower"
         return "same (noise)"
 
     @property
     def verdict(self) -> str:
         """A phrase for a sentence, e.g. 'no difference beyond the noise (1.02×; the blocks overlap)'."""
         if self.outcome == "faster":
-            return f"{self.speedup:.2f}× faster"
+            return f"{_ratio(self.speedup)} faster"
         if self.outcome == "slower":
-            return f"slower: {self.speedup:.2f}× (it takes {1 / self.speedup:.2f}× as long)"
+            return f"slower: it takes {_ratio(1 / self.speedup)} as long"
         why = ("the middle halves of their timings overlap" if self._overlap() else
                f"under the {self.min_effect:.0%} that separates real differences from run-to-run drift")
-        return f"no difference beyond the noise ({self.speedup:.2f}×; {why})"
+        return f"no difference beyond the noise ({_ratio(self.speedup)}; {why})"
 
     def _overlap(self) -> bool:
         (b1, b3), (c1, c3) = self.baseline.quartiles_s, self.candidate.quartiles_s

@@ -75,6 +75,7 @@ class StepProfile:
     on_gpu: bool
     trace_path: Path | None = None
     profiled_wall_s: float = 0.0  # one step as measured under the profiler (which adds overhead of its own)
+    unit: str = "step"  # what one call of the profiled function is: "step", "epoch", ...
     _busy_s: float | None = field(default=None, repr=False)
 
     @property
@@ -120,15 +121,15 @@ class StepProfile:
         busy_us = sum(total.values()) or 1.0
         what = "kernel" if self.on_gpu else "operator"
         return [{what: name if len(name) <= 70 else name[:67] + "...",
-                 "calls per step": f"{calls[name] / self.steps:.3g}",
-                 "time per step": _format_us(us / self.steps), "share of busy": f"{us / busy_us:.0%}",
+                 f"calls per {self.unit}": f"{calls[name] / self.steps:.3g}",
+                 f"time per {self.unit}": _format_us(us / self.steps), "share of busy": f"{us / busy_us:.0%}",
                  "kind": kind_of(name)}
                 for name, us in total.most_common(n)]
 
     def summary_row(self, label: str) -> dict[str, object]:
         """One table row: step time, busy, idle, kernels per step and the time by kind."""
         kinds = self.time_by_kind()
-        return {"step": label, "wall": _format_us(self.wall_s * 1e6), "busy": _format_us(self.busy_s * 1e6),
+        return {self.unit: label, "wall": _format_us(self.wall_s * 1e6), "busy": _format_us(self.busy_s * 1e6),
                 "idle": f"{self.idle_fraction:.0%}", "kernels": f"{self.kernels_per_step:.0f}"
                 if self.on_gpu else "—", "matmul": _format_us(kinds["matmul"] * 1e6),
                 "attention": _format_us(kinds["attention"] * 1e6), "other": _format_us(kinds["other"] * 1e6)}
@@ -137,7 +138,7 @@ class StepProfile:
         """One sentence on what bounds this step, from the numbers: waiting for the host, or which kind of work."""
         per_kernel_us = self.busy_s * 1e6 / max(self.kernels_per_step, 1)
         if self.on_gpu:
-            where = (f"the GPU is idle {self.idle_fraction:.0%} of the step "
+            where = (f"the GPU is idle {self.idle_fraction:.0%} of the {self.unit} "
                      f"({_format_us(self.idle_s * 1e6)} of {_format_us(self.wall_s * 1e6)}; "
                      f"{self.kernels_per_step:.0f} kernels, {_format_us(per_kernel_us)} each on average)")
             if self.idle_fraction >= 0.5:
@@ -151,15 +152,15 @@ class StepProfile:
         top = self.top_kernels(1)
         top_name = next(iter(top[0].values())) if top else "none"
         if self.on_gpu:
-            return (f"GPU-bound: busy {1 - self.idle_fraction:.0%} of the step; {largest} kernels take {share:.0%} "
-                    f"of that, the largest single kernel is {top_name}")
-        return (f"on the CPU, operators take {1 - self.idle_fraction:.0%} of the step (the rest is Python and "
+            return (f"GPU-bound: busy {1 - self.idle_fraction:.0%} of the {self.unit}; {largest} kernels take "
+                    f"{share:.0%} of that, the largest single kernel is {top_name}")
+        return (f"on the CPU, operators take {1 - self.idle_fraction:.0%} of the {self.unit} (the rest is Python and "
                 f"dispatch between them); {largest} takes {share:.0%} of the operator time")
 
     def __str__(self) -> str:
-        return (f"{self.steps} steps on {self.device}: {_format_us(self.wall_s * 1e6)} per step, "
+        return (f"{self.steps} {self.unit}s on {self.device}: {_format_us(self.wall_s * 1e6)} per {self.unit}, "
                 f"busy {_format_us(self.busy_s * 1e6)}, {self.kernels_per_step:.0f} "
-                f"{'kernels' if self.on_gpu else 'operators'} per step")
+                f"{'kernels' if self.on_gpu else 'operators'} per {self.unit}")
 
 
 def _format_us(us: float) -> str:
@@ -204,6 +205,7 @@ def profile_steps(
     device: torch.device | str | None = None,
     step_s: float | None = None,
     trace_path: str | Path | None = None,
+    unit: str = "step",
 ) -> StepProfile:
     """Run ``fn()`` ``warmup`` times, then ``steps`` times under ``torch.profiler``, and return a :class:`StepProfile`.
 
@@ -215,6 +217,7 @@ def profile_steps(
             against it, since the profiler slows the host a little. Default: the wall time under the profiler.
         trace_path: where to save a Chrome/Perfetto trace (JSON) of the profiled steps; open it at
             https://ui.perfetto.dev. None: no trace.
+        unit: what one call is, for the tables and sentences ("step", "epoch", "forward pass", ...).
 
     Raises:
         TypeError: if ``fn`` is not callable.
@@ -250,9 +253,10 @@ def profile_steps(
         saved.parent.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(saved))
     result = StepProfile(device=str(device), steps=steps, wall_s=step_s if step_s is not None else profiled_wall_s,
-                         kernels=kernels, on_gpu=on_gpu, trace_path=saved, profiled_wall_s=profiled_wall_s)
+                         kernels=kernels, on_gpu=on_gpu, trace_path=saved, profiled_wall_s=profiled_wall_s,
+                         unit=unit)
     # the device cannot be busier than the step is long: more would mean work counted twice
     if on_gpu and result.busy_s > 1.05 * max(result.wall_s, profiled_wall_s):
-        raise AssertionError(f"GPU busy {result.busy_s * 1e3:.3f} ms per step exceeds the step "
+        raise AssertionError(f"GPU busy {result.busy_s * 1e3:.3f} ms per {unit} exceeds the {unit} "
                              f"({result.wall_s * 1e3:.3f} ms): kernels were counted twice")
     return result

@@ -1,7 +1,9 @@
 """The notebooks' self-checking exercises: one module per notebook, each check a function of the reader's answer.
 
-An exercise cell ships as a stub the reader completes (it raises ``NotImplementedError``); the cell after it
-calls a check from here, e.g. ``utils.exercises.install_check.ridge_point(ridge_point)``, which prints one of
+Each notebook has a module of checks named after its topic (``install_check.py`` for 00, ``training_loop.py`` for
+02, ...); every module here is imported with the package. An exercise cell ships as a stub the reader completes
+(it raises ``NotImplementedError``); the cell after it calls a check from here, e.g.
+``utils.exercises.install_check.ridge_point(ridge_point)``, which prints one of
 
     ⏳ not attempted yet: ...            the stub still raises NotImplementedError (or returns the placeholder)
     ✅ correct: ...                     the answer passed every test the check runs
@@ -83,7 +85,18 @@ def close(value: float, expected: float, rel: float = 1e-6) -> bool:
     return abs(value - expected) <= rel * abs(expected)
 
 
-from utils.exercises import device_management, install_check, training_loop  # noqa: E402  (they use the above)
+def _import_notebook_modules() -> list[str]:
+    """Import every notebook's module of checks (utils/exercises/<topic>.py), so that
+    ``utils.exercises.<topic>.<check>`` works after ``import utils``; returns their names."""
+    import importlib
+    import pkgutil
 
-__all__ = ["Feedback", "Miss", "NotAttempted", "close", "device_management", "exercise", "install_check",
-           "training_loop"]
+    names = sorted(m.name for m in pkgutil.iter_modules(__path__))
+    for name in names:
+        importlib.import_module(f"{__name__}.{name}")
+    return names
+
+
+NOTEBOOK_MODULES = _import_notebook_modules()
+
+__all__ = ["NOTEBOOK_MODULES", "Feedback", "Miss", "NotAttempted", "close", "exercise", *NOTEBOOK_MODULES]
