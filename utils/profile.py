@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import re
 import time
+import warnings
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -236,7 +237,10 @@ def profile_steps(
     saved_fd, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 2)  # the profiler's C++ side logs 'profiler start/stop' lines to stderr: keep them out
     try:
-        with profile(activities=activities) as prof:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*Profiler clears events")  # torch 2.11: not our concern
+            prof = profile(activities=activities)
+        with prof:
             start = time.perf_counter()
             for _ in range(steps):
                 fn()
