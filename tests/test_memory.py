@@ -310,3 +310,24 @@ def test_cuda_record_memory_history_on_a_gpu(tmp_path):
     enabled = getattr(torch._C, "_cuda_isHistoryEnabled", lambda: False)()
     assert not enabled, "recording was left on"
     del b
+
+
+def test_saved_tensors_by_op_attributes_each_storage_once():
+    from utils import memory as mem
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(8, 5)
+    x = torch.randn(4, 8, requires_grad=True)
+    loss = torch.nn.functional.cross_entropy(layer(x), torch.tensor([0, 1, 2, 3]))
+    saved = mem.saved_tensors_by_op(loss, exclude=list(layer.parameters()))
+    ops = {(s.op, s.name) for s in saved}
+    assert ("LogSoftmaxBackward0", "result") in ops  # log-probs, kept once although nll_loss keeps them too
+    assert not any(s.op == "NllLossBackward0" and s.name == "self" for s in saved)
+    assert sum(s.nbytes for s in saved) == sum(mem.saved_bytes_by(saved).values())
+    by_dtype = mem.saved_bytes_by(saved, key="dtype")
+    assert set(by_dtype) <= {"float32", "int64"}
+    with pytest.raises(ValueError, match="key"):
+        mem.saved_bytes_by(saved, key="shape")
+    loss.backward()
+    with pytest.raises(ValueError, match="no autograd graph"):
+        mem.saved_tensors_by_op(torch.ones(2))

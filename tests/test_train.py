@@ -43,3 +43,67 @@ def test_graphed_training_equals_eager_training_including_a_smaller_last_batch()
     assert len(step.graphs) == 2
     for a, b in zip(eager.parameters(), graphed.parameters(), strict=True):
         torch.testing.assert_close(a, b)
+
+
+def tiny_lm(vocab=300):
+    torch.manual_seed(0)
+    return models.TransformerModel(models.TransformerConfig(vocab_size=vocab, d_model=32, nhead=2, num_layers=1,
+                                                            dim_feedforward=64, dropout=0.0))
+
+
+def test_chunked_loss_equals_the_plain_loss_with_the_same_gradients():
+    model = tiny_lm()
+    x, y = data.synthetic_tokens(3, 37, 300)  # 111 tokens: chunks of 50, 50 and 11
+    plain = train.lm_loss(model(x), y)
+    plain.backward()
+    plain_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    chunked = train.chunked_lm_loss(model.features(x), model.head, y, chunk_tokens=50)
+    chunked.backward()
+    torch.testing.assert_close(chunked, plain, rtol=1e-5, atol=1e-6)
+    for p, g in zip(model.parameters(), plain_grads, strict=True):
+        torch.testing.assert_close(p.grad, g, rtol=1e-4, atol=1e-6)
+
+
+def test_chunked_loss_keeps_no_full_logits_under_autocast():
+    model = tiny_lm(vocab=2000)
+    x, y = data.synthetic_tokens(4, 64, 2000)
+    logits_bytes = 4 * 64 * 2000 * 4  # fp32 [tokens, vocab]
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    def saved_storages(fn):
+        """nbytes of every storage autograd packs for backward while fn() runs, parameters excluded."""
+        saved = {}
+
+        def pack(t):
+            if t.untyped_storage().data_ptr() not in params:
+                saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
+            fn()
+        return list(saved.values())
+
+    plain = saved_storages(lambda: train.lm_loss(model(x), y))
+    chunked = saved_storages(lambda: train.chunked_lm_loss(model.features(x), model.head, y, chunk_tokens=64))
+    assert max(plain) == logits_bytes  # the fp32 log-probs of every token
+    assert max(chunked) < logits_bytes / 8 and sum(chunked) < sum(plain) / 4
+
+
+def test_train_step_takes_a_loss_fn():
+    model = tiny_lm()
+    x, y = data.synthetic_tokens(2, 16, 300)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = train.lm_loss(model(x), y).item()
+    for _ in range(5):
+        loss = train.train_step(model, optimizer, x, y, loss_fn=train.chunked_loss_fn(chunk_tokens=8))
+    assert loss.item() < before
+
+
+def test_chunked_loss_rejects_bad_input():
+    model = tiny_lm()
+    x, y = data.synthetic_tokens(2, 16, 300)
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        train.chunked_lm_loss(model.features(x), model.head, y, chunk_tokens=0)
+    with pytest.raises(ValueError, match="tokens"):
+        train.chunked_lm_loss(model.features(x), model.head, y[:, :5])

@@ -1,5 +1,6 @@
 """How much memory your tensors take, and when: allocated / reserved / peak reports, a block that measures its
-own peak, and CUDA memory snapshots with an inline timeline plot.
+own peak, CUDA memory snapshots with an inline timeline plot, and what autograd keeps for backward, tensor by
+tensor (:func:`saved_tensors_by_op`).
 
 On CUDA every number comes from PyTorch's caching allocator: *allocated* is what live tensors occupy,
 *reserved* is what the allocator holds from the driver (allocated plus its cache), and neither counts the CUDA
@@ -414,3 +415,81 @@ def save_snapshot(snapshot: dict[str, Any], path: str | Path) -> Path:
     with path.open("wb") as f:
         pickle.dump(snapshot, f)
     return path
+
+
+# ----------------------------------------------------------------------------------------------------
+# What autograd keeps for backward, tensor by tensor
+
+
+@dataclass(frozen=True)
+class SavedTensor:
+    """One tensor autograd keeps for the backward pass: the backward node that keeps it, under which name."""
+
+    op: str  # the backward node, e.g. "LogSoftmaxBackward0" (the forward op was log_softmax)
+    name: str  # the saved variable, e.g. "result" or "mat1"
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    nbytes: int  # of its storage, counted once however many nodes share it
+
+
+def saved_tensors_by_op(
+    output: torch.Tensor, *, exclude: tuple[torch.Tensor, ...] | list[torch.Tensor] = ()
+) -> list[SavedTensor]:
+    """Every tensor the autograd graph behind ``output`` keeps for backward, attributed to the node that keeps it.
+
+    Walks the graph from ``output.grad_fn`` and reads each node's ``_saved_<name>`` tensors (the attributes
+    PyTorch's generated backward nodes expose). A storage kept by several nodes (log_softmax's result is also
+    nll_loss's input) is counted once, for the node that produced it (the one that keeps it as its ``result``);
+    tensors sharing a storage with one of ``exclude`` (pass the model's parameters) are left out: they exist
+    anyway. Largest first.
+
+    Call it after the forward pass and before ``backward()``, which frees what it reads. Not for graphs with
+    activation checkpointing: there reading a saved tensor *recomputes* it, so the walk would list (and allocate)
+    tensors that were never kept; count those with ``torch.autograd.graph.saved_tensors_hooks`` during forward.
+
+    Raises:
+        ValueError: if ``output`` has no autograd graph (computed without grad, or a leaf).
+    """
+    if output.grad_fn is None:
+        raise ValueError("output has no autograd graph: compute it with gradients enabled, before backward()")
+    excluded = {t.untyped_storage().data_ptr() for t in exclude}
+    seen_nodes: set = set()
+    by_storage: dict[int, SavedTensor] = {}
+    stack = [output.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen_nodes:
+            continue
+        seen_nodes.add(node)
+        for attr in sorted(a for a in dir(node) if a.startswith("_saved_")):
+            try:
+                value = getattr(node, attr)
+            except RuntimeError:  # freed already (after backward), or not a tensor
+                continue
+            for t in (value if isinstance(value, (list, tuple)) else [value]):
+                if not isinstance(t, torch.Tensor):
+                    continue
+                storage = t.untyped_storage()
+                key = storage.data_ptr()
+                if key in excluded or storage.nbytes() == 0:
+                    continue
+                record = SavedTensor(type(node).__name__, attr.removeprefix("_saved_"), t.dtype, tuple(t.shape),
+                                     storage.nbytes())
+                # a storage kept by several nodes belongs to the op that produced it (its saved "result")
+                if key not in by_storage or (record.name.startswith("result")
+                                             and not by_storage[key].name.startswith("result")):
+                    by_storage[key] = record
+        stack.extend(fn for fn, _ in node.next_functions)
+    return sorted(by_storage.values(), key=lambda s: s.nbytes, reverse=True)
+
+
+def saved_bytes_by(saved: list[SavedTensor], *, key: str = "op") -> dict[str, int]:
+    """Sum :func:`saved_tensors_by_op` rows by ``"op"``, ``"dtype"`` or ``"op+dtype"``; largest first."""
+    if key not in ("op", "dtype", "op+dtype"):
+        raise ValueError(f"key must be 'op', 'dtype' or 'op+dtype', got {key!r}")
+    totals: dict[str, int] = {}
+    for s in saved:
+        dtype = str(s.dtype).removeprefix("torch.")
+        label = s.op if key == "op" else dtype if key == "dtype" else f"{s.op} ({dtype})"
+        totals[label] = totals.get(label, 0) + s.nbytes
+    return dict(sorted(totals.items(), key=lambda kv: kv[1], reverse=True))

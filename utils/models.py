@@ -56,14 +56,17 @@ class TransformerModel(nn.Module):
         self.encoder = nn.TransformerEncoder(layer, config.num_layers, enable_nested_tensor=False)
         self.head = nn.Linear(config.d_model, config.vocab_size)
 
-    def forward(self, tokens: torch.Tensor, causal: bool = True) -> torch.Tensor:
+    def features(self, tokens: torch.Tensor, causal: bool = True) -> torch.Tensor:
+        """The encoder's output [B, T, d_model]: everything but the vocabulary head."""
         if tokens.dtype != torch.int64 or tokens.dim() != 2:
             raise ValueError(f"tokens must be int64 [batch, seq], got {tokens.dtype} {list(tokens.shape)}")
         x = self.embedding(tokens)
         mask = nn.Transformer.generate_square_subsequent_mask(tokens.shape[1], device=tokens.device) if causal \
             else None
-        x = self.encoder(x, mask=mask, is_causal=causal)
-        return self.head(x)
+        return self.encoder(x, mask=mask, is_causal=causal)
+
+    def forward(self, tokens: torch.Tensor, causal: bool = True) -> torch.Tensor:
+        return self.head(self.features(tokens, causal))
 
 
 def count_parameters(model: nn.Module) -> int:

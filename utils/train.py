@@ -7,14 +7,66 @@ step notebook 04 compiles; keeping it here means both measure the same code.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+#: A loss of a model on a batch: ``loss_fn(model, inputs, targets) -> scalar tensor``.
+LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy of logits [B, T, V] against targets [B, T] (computed in fp32 by autocast)."""
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def _chunk_loss_sum(features: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                    targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(F.linear(features, weight, bias), targets, reduction="sum")
+
+
+def chunked_lm_loss(features: torch.Tensor, head: nn.Linear, targets: torch.Tensor, *,
+                    chunk_tokens: int = 2048) -> torch.Tensor:
+    """:func:`lm_loss` of ``head(features)``, computed ``chunk_tokens`` tokens at a time, never holding the logits.
+
+    The plain loss materialises the logits [tokens, vocabulary] and, for backward, keeps log_softmax's output —
+    in fp32, because autocast runs the cross-entropy in fp32: at 8,192 tokens × 50,000 words that is 1.6 GB on
+    its own, however low the precision of the rest of the model. Here each chunk's logits and loss are computed
+    inside activation checkpointing (``use_reentrant=False``), so forward keeps only the features (and the head's
+    weights), and backward recomputes one chunk's logits at a time: the full logits never exist, at the price of
+    running the head's matmul twice. Same value as ``lm_loss(head(features), targets)`` up to summation order.
+
+    Raises:
+        ValueError: for a non-positive ``chunk_tokens`` or features and targets of different token counts.
+    """
+    if chunk_tokens <= 0:
+        raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
+    flat, flat_targets = features.flatten(0, -2), targets.flatten()
+    if len(flat) != len(flat_targets):
+        raise ValueError(f"features hold {len(flat)} tokens but targets {len(flat_targets)}")
+    total = None
+    for start in range(0, len(flat), chunk_tokens):
+        part = checkpoint(_chunk_loss_sum, flat[start:start + chunk_tokens], head.weight, head.bias,
+                          flat_targets[start:start + chunk_tokens], use_reentrant=False)
+        total = part if total is None else total + part
+    return total / len(flat_targets)
+
+
+def chunked_loss_fn(chunk_tokens: int = 2048) -> LossFn:
+    """A ``loss_fn`` for :func:`train_step` computing :func:`chunked_lm_loss` on a model with ``features()`` and
+    ``head`` (``utils.models.TransformerModel``)."""
+    def loss_fn(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return chunked_lm_loss(model.features(inputs), model.head, targets, chunk_tokens=chunk_tokens)
+
+    return loss_fn
+
+
+def default_loss_fn(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The plain loss: :func:`lm_loss` of the model's logits."""
+    return lm_loss(model(inputs), targets)
 
 
 def train_step(
@@ -26,6 +78,7 @@ def train_step(
     amp_dtype: torch.dtype | None = None,
     scaler: torch.amp.GradScaler | None = None,
     max_grad_norm: float | None = 1.0,
+    loss_fn: LossFn = default_loss_fn,
 ) -> torch.Tensor:
     """One optimisation step of a language model; returns the loss as a detached device tensor (no sync).
 
@@ -35,13 +88,15 @@ def train_step(
         scaler: a ``torch.amp.GradScaler`` (needed with fp16, whose small gradients underflow otherwise).
         max_grad_norm: clip the gradient norm to this (None: no clipping). With a scaler the gradients are
             unscaled first, so the threshold applies to the true gradients.
+        loss_fn: ``loss_fn(model, inputs, targets)``; default the plain :func:`lm_loss` of the logits,
+            ``chunked_loss_fn()`` for the one that never holds the full logits.
     """
     if amp_dtype not in (None, torch.float16, torch.bfloat16):
         raise ValueError(f"amp_dtype must be None, torch.float16 or torch.bfloat16, got {amp_dtype}")
     device_type = inputs.device.type
     optimizer.zero_grad(set_to_none=True)
     with torch.autocast(device_type, dtype=amp_dtype, enabled=amp_dtype is not None):
-        loss = lm_loss(model(inputs), targets)
+        loss = loss_fn(model, inputs, targets)
     if scaler is not None:
         scaler.scale(loss).backward()
         scaler.unscale_(optimizer)  # true gradients, so that clipping sees their real norm
