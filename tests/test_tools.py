@@ -98,9 +98,10 @@ def test_readme_tables_render_headlines_and_one_column_per_gpu(tmp_path):
         "copy_gbps": {"value": 4262.0, "unit": "GB/s"}}}))
     (tmp_path / "h100.json").write_text(json.dumps({"00_install_check": {
         "copy_gbps": {"value": 3011.0, "unit": "GB/s"}, "matmul_tflops_fp32": {"value": 51.6, "unit": "TFLOP/s"}}}))
-    readme = ("intro\n<!-- notebooks:start -->\nold\n<!-- notebooks:end -->\n"
-              "<!-- results:start -->\nold\n<!-- results:end -->\n")
+    readme = ("intro\n<!-- badges:start -->\nold\n<!-- badges:end -->\n<!-- notebooks:start -->\nold\n"
+              "<!-- notebooks:end -->\n<!-- results:start -->\nold\n<!-- results:end -->\n")
     text = readme_tables.render(readme, tmp_path)
+    assert "actions/workflows/cpu.yml/badge.svg" in text
     assert "bf16 matmul 778 burst / 665 sustained TFLOP/s · copy 4,262 GB/s" in text  # the H200's headline
     assert "| Notebook | Figure | H200 | H100 |" in text  # the reference GPU first
     assert "| 00_install_check | `copy_gbps` | 4,262 GB/s | 3,011 GB/s |" in text

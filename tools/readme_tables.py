@@ -4,7 +4,8 @@
     python -m tools.readme_tables --check  # exit 1 if README.md is out of date (a test runs this)
 
 The tables live between ``<!-- notebooks:start -->`` / ``<!-- notebooks:end -->`` and ``<!-- results:start -->`` /
-``<!-- results:end -->``. Headline figures come only from results files written by the reference run.
+``<!-- results:end -->``; the CI badge between ``<!-- badges:start -->`` / ``<!-- badges:end -->`` (from the repository
+address in pyproject.toml). Headline figures come only from results files written by the reference run.
 """
 
 from __future__ import annotations
@@ -113,10 +114,17 @@ def results_table(results: dict) -> str:
     return "\n".join(rows)
 
 
+def badges() -> str:
+    """The CPU workflow's status badge, linking to its runs."""
+    runs = f"{course.repo_url()}/actions/workflows/cpu.yml"
+    return f"[![CPU CI]({runs}/badge.svg)]({runs})"
+
+
 def render(readme_text: str, results_dir: Path = RESULTS_DIR) -> str:
-    """README text with both generated tables replaced."""
+    """README text with the generated badge and tables replaced."""
     results = load_results(results_dir)
-    for key, body in (("notebooks", notebooks_table(results)), ("results", results_table(results))):
+    for key, body in (("badges", badges()), ("notebooks", notebooks_table(results)),
+                      ("results", results_table(results))):
         pattern = re.compile(rf"(<!-- {key}:start -->\n).*?(<!-- {key}:end -->)", re.S)
         if not pattern.search(readme_text):
             raise ValueError(f"README.md lacks the <!-- {key}:start --> / <!-- {key}:end --> markers")

@@ -14,6 +14,11 @@ tell when the outputs no longer belong to the sources. Every figure the notebook
 ``{notebook stem: {name: {"value", "unit"}}}``; then README's tables are regenerated.
 
 A failed notebook is left untouched (its partial run goes to --failed-dir if given) and the exit status is 1.
+
+    python -m tools.reference_run --collect-only --results-dir DIR notebooks/*.ipynb
+
+reads the figures of notebooks that were already executed (e.g. by nbmake --overwrite in .ci/gpu-run) into
+``DIR/<gpu>.json`` without executing or stamping anything.
 """
 
 from __future__ import annotations
@@ -98,10 +103,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
     parser.add_argument("--failed-dir", type=Path, help="write partially executed failed notebooks here")
     parser.add_argument("--allow-cpu", action="store_true", help="stamp a run on a machine without a GPU")
+    parser.add_argument("--collect-only", action="store_true",
+                        help="only collect the recorded figures of already executed notebooks (no run, no stamp)")
     args = parser.parse_args(argv)
 
     stamp, slug = machine_stamp(args.allow_cpu)
     paths = [p.resolve() for p in args.notebooks] or course.notebooks()
+    if args.collect_only:
+        for path in paths:
+            figures = recorded_results(nbformat.read(path, as_version=4))
+            out = merge_results(slug, path.stem, figures, args.results_dir)
+            print(f"collected {path.name}: {len(figures)} figures → {out}")
+        return 0
     failures = 0
     for path in paths:
         start = time.perf_counter()

@@ -1,0 +1,105 @@
+"""The CI workflows: valid for GitHub (its workflow schema), clean under zizmor's audits, and doing what README says:
+the CPU workflow runs .ci/run on every push and pull request with pip caching; the GPU workflow runs .ci/gpu-run on
+a self-hosted GPU runner, manually and on a schedule, and uploads what it executed."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tools import course
+
+WORKFLOWS = sorted((course.ROOT / ".github" / "workflows").glob("*.yml"))
+BIN = Path(sys.executable).parent
+
+
+def load(name: str) -> dict:
+    text = (course.ROOT / ".github" / "workflows" / name).read_text()
+    data = yaml.safe_load(text)
+    data["on"] = data.pop(True, data.get("on"))  # YAML 1.1 reads the key `on` as True
+    return data
+
+
+def steps(job: dict) -> list[dict]:
+    return job["steps"]
+
+
+def test_there_are_a_cpu_and_a_gpu_workflow():
+    assert {p.name for p in WORKFLOWS} == {"cpu.yml", "gpu.yml"}
+
+
+@pytest.mark.parametrize("path", WORKFLOWS, ids=[p.name for p in WORKFLOWS])
+def test_workflow_matches_githubs_schema(path):
+    result = subprocess.run([str(BIN / "check-jsonschema"), "--builtin-schema", "vendor.github-workflows", str(path)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_workflows_pass_zizmor_audits():
+    """zizmor: template injection, credentials left in checkouts, unpinned actions, excessive permissions, ..."""
+    result = subprocess.run([str(BIN / "zizmor"), "--offline", "--no-progress", str(course.ROOT / ".github")],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_cpu_workflow_runs_the_readme_test_command_on_every_push():
+    cpu = load("cpu.yml")
+    assert {"push", "pull_request"} <= set(cpu["on"])
+    job = cpu["jobs"]["test"]
+    assert job["runs-on"] == "ubuntu-latest"
+    setup = next(s for s in steps(job) if s.get("uses", "").startswith("actions/setup-python@"))
+    assert setup["with"]["cache"] == "pip" and setup["with"]["cache-dependency-path"] == "requirements.txt"
+    assert any(s.get("run") == "bash .ci/run" for s in steps(job))
+    assert job["timeout-minutes"] >= 90  # the CI budget: 90 minutes on 2 cores
+
+
+def test_gpu_workflow_runs_gpu_run_on_a_self_hosted_gpu_runner():
+    gpu = load("gpu.yml")
+    assert {"workflow_dispatch", "schedule"} <= set(gpu["on"])
+    job = gpu["jobs"]["nbmake"]
+    assert {"self-hosted", "gpu"} <= set(job["runs-on"])
+    assert any("bash .ci/gpu-run" in s.get("run", "") for s in steps(job))
+    upload = next(s for s in steps(job) if s.get("uses", "").startswith("actions/upload-artifact@"))
+    assert upload["if"] == "always()" and "build/gpu-run/notebooks/*.ipynb" in upload["with"]["path"]
+    assert "build/gpu-run/results/*.json" in upload["with"]["path"]
+    reference = gpu["jobs"]["reference-run"]
+    assert reference["if"] == "inputs.reference_run" and reference["needs"] == "nbmake"
+
+
+def test_actions_are_pinned_to_commits():
+    for path in WORKFLOWS:
+        for job in yaml.safe_load(path.read_text())["jobs"].values():
+            for step in job["steps"]:
+                if "uses" in step:
+                    ref = step["uses"].rsplit("@", 1)[1]
+                    assert len(ref) == 40 and all(c in "0123456789abcdef" for c in ref), f"{path.name}: {step['uses']}"
+
+
+def test_gpu_run_refuses_a_machine_without_a_gpu(tmp_path):
+    if shutil.which("git") is None or shutil.which("tar") is None:
+        pytest.skip("needs git and tar")
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the refusal is for CPU-only machines")
+    result = subprocess.run(["bash", str(course.ROOT / ".ci" / "gpu-run")], capture_output=True, text=True,
+                            timeout=120, env={**os.environ, "PYTHON": sys.executable})
+    assert result.returncode == 2 and "sees no CUDA GPU" in result.stderr and "bash .ci/run" in result.stderr
+
+
+def test_gpu_run_needs_a_python(tmp_path):
+    result = subprocess.run(["bash", str(course.ROOT / ".ci" / "gpu-run")], capture_output=True, text=True,
+                            timeout=60, env={**os.environ, "PYTHON": str(tmp_path / "no-python")})
+    assert result.returncode == 2 and "not found" in result.stderr
+
+
+def test_readme_documents_both_runs_and_the_badge():
+    readme = (course.ROOT / "README.md").read_text()
+    assert f"{course.repo_url()}/actions/workflows/cpu.yml/badge.svg" in readme
+    assert "bash .ci/gpu-run" in readme and "self-hosted" in readme and "tools.reference_run" in readme
