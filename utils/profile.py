@@ -239,18 +239,17 @@ def profile_steps(
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*Profiler clears events")  # torch 2.11: not our concern
-            prof = profile(activities=activities)
-        with prof:
-            start = time.perf_counter()
-            for _ in range(steps):
-                fn()
-            synchronize(device)
-            profiled_wall_s = (time.perf_counter() - start) / steps
+            with profile(activities=activities) as prof:
+                start = time.perf_counter()
+                for _ in range(steps):
+                    fn()
+                synchronize(device)
+                profiled_wall_s = (time.perf_counter() - start) / steps
+            kernels = gpu_kernels(prof) if on_gpu else cpu_operators(prof)
     finally:
         os.dup2(saved_fd, 2)
         os.close(saved_fd)
         os.close(devnull)
-    kernels = gpu_kernels(prof) if on_gpu else cpu_operators(prof)
     saved = None
     if trace_path is not None:
         saved = Path(trace_path)

@@ -12,7 +12,6 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 #: A loss of a model on a batch: ``loss_fn(model, inputs, targets) -> scalar tensor``.
 LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -23,21 +22,58 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-def _chunk_loss_sum(features: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                    targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(F.linear(features, weight, bias), targets, reduction="sum")
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy of ``features @ weight.T + bias`` against ``targets``, one chunk of tokens at a time, with
+    the gradients computed in forward (the gradient of cross-entropy with respect to the logits is
+    softmax − one-hot, known as soon as a chunk's logits are): backward only scales them by the incoming gradient."""
+
+    @staticmethod
+    def forward(ctx, features, weight, bias, targets, chunk_tokens, compute_dtype, need_grad):
+        n = len(targets)
+        w = weight.to(compute_dtype)
+        b = bias.to(compute_dtype) if bias is not None else None
+        total = torch.zeros((), device=features.device, dtype=torch.float32)
+        grad_features = torch.empty_like(features) if need_grad else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if need_grad else None
+        grad_bias = torch.zeros_like(bias, dtype=torch.float32) if need_grad and bias is not None else None
+        for start in range(0, n, chunk_tokens):
+            x, t = features[start:start + chunk_tokens].to(compute_dtype), targets[start:start + chunk_tokens]
+            logits = F.linear(x, w, b).float()  # one chunk's logits, in fp32 for the softmax: [chunk, vocab]
+            lse = logits.logsumexp(dim=-1)
+            total += (lse - logits.gather(1, t[:, None]).squeeze(1)).sum()
+            if need_grad:
+                probs = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
+                probs[torch.arange(len(t), device=t.device), t] -= 1.0
+                g = probs.div_(n).to(compute_dtype)  # d(mean loss)/d(logits) of this chunk
+                grad_features[start:start + chunk_tokens] = (g @ w).to(features.dtype)
+                grad_weight += (g.t() @ x).float()
+                if grad_bias is not None:
+                    grad_bias += g.float().sum(dim=0)
+        ctx.save_for_backward(grad_features, grad_weight, grad_bias)
+        ctx.dtypes = (weight.dtype, bias.dtype if bias is not None else None)
+        return total / n
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_features, grad_weight, grad_bias = ctx.saved_tensors
+        weight_dtype, bias_dtype = ctx.dtypes
+        return (grad_features * grad_loss.to(grad_features.dtype), (grad_weight * grad_loss).to(weight_dtype),
+                (grad_bias * grad_loss).to(bias_dtype) if grad_bias is not None else None, None, None, None, None)
 
 
 def chunked_lm_loss(features: torch.Tensor, head: nn.Linear, targets: torch.Tensor, *,
                     chunk_tokens: int = 2048) -> torch.Tensor:
     """:func:`lm_loss` of ``head(features)``, computed ``chunk_tokens`` tokens at a time, never holding the logits.
 
-    The plain loss materialises the logits [tokens, vocabulary] and, for backward, keeps log_softmax's output —
+    The plain loss materialises the logits [tokens, vocabulary] and, for backward, keeps the log-probabilities —
     in fp32, because autocast runs the cross-entropy in fp32: at 8,192 tokens × 50,000 words that is 1.6 GB on
-    its own, however low the precision of the rest of the model. Here each chunk's logits and loss are computed
-    inside activation checkpointing (``use_reentrant=False``), so forward keeps only the features (and the head's
-    weights), and backward recomputes one chunk's logits at a time: the full logits never exist, at the price of
-    running the head's matmul twice. Same value as ``lm_loss(head(features), targets)`` up to summation order.
+    its own, however low the precision of the rest of the model. Here the head and the loss run one chunk of tokens
+    at a time, and each chunk's gradients are computed right away in the forward pass (the gradient of
+    cross-entropy with respect to the logits is softmax − one-hot): what is kept for backward is the gradient of
+    the features and of the head's weights, and backward only scales them. The full logits never exist and
+    nothing is recomputed; the matmuls are the plain loss's. Under autocast the matmuls run in autocast's dtype
+    and the softmax in fp32, as autocast would; the value equals ``lm_loss(head(features), targets)`` up to
+    rounding. Gradients are computed only when autograd needs them.
 
     Raises:
         ValueError: for a non-positive ``chunk_tokens`` or features and targets of different token counts.
@@ -47,12 +83,13 @@ def chunked_lm_loss(features: torch.Tensor, head: nn.Linear, targets: torch.Tens
     flat, flat_targets = features.flatten(0, -2), targets.flatten()
     if len(flat) != len(flat_targets):
         raise ValueError(f"features hold {len(flat)} tokens but targets {len(flat_targets)}")
-    total = None
-    for start in range(0, len(flat), chunk_tokens):
-        part = checkpoint(_chunk_loss_sum, flat[start:start + chunk_tokens], head.weight, head.bias,
-                          flat_targets[start:start + chunk_tokens], use_reentrant=False)
-        total = part if total is None else total + part
-    return total / len(flat_targets)
+    device_type = flat.device.type
+    compute_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else flat.dtype
+    need_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (flat, head.weight,
+                                                                                              head.bias))
+    with torch.autocast(device_type, enabled=False):  # the dtypes are chosen above, as autocast would
+        return _ChunkedLinearCrossEntropy.apply(flat, head.weight, head.bias, flat_targets, chunk_tokens,
+                                                compute_dtype, need_grad)
 
 
 def chunked_loss_fn(chunk_tokens: int = 2048) -> LossFn:
