@@ -38,17 +38,17 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_bias = torch.zeros_like(bias, dtype=torch.float32) if need_grad and bias is not None else None
         for start in range(0, n, chunk_tokens):
             x, t = features[start:start + chunk_tokens].to(compute_dtype), targets[start:start + chunk_tokens]
-            logits = F.linear(x, w, b).float()  # one chunk's logits, in fp32 for the softmax: [chunk, vocab]
-            lse = logits.logsumexp(dim=-1)
-            total += (lse - logits.gather(1, t[:, None]).squeeze(1)).sum()
+            # one chunk's log-probabilities, in fp32 straight from the 16-bit logits (one kernel): [chunk, vocab]
+            log_probs = torch.log_softmax(F.linear(x, w, b), dim=-1, dtype=torch.float32)
+            total -= log_probs.gather(1, t[:, None]).sum()
             if need_grad:
-                probs = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
-                probs[torch.arange(len(t), device=t.device), t] -= 1.0
-                g = probs.div_(n).to(compute_dtype)  # d(mean loss)/d(logits) of this chunk
-                grad_features[start:start + chunk_tokens] = (g @ w).to(features.dtype)
-                grad_weight += (g.t() @ x).float()
+                probs = log_probs.exp_()  # softmax, in place
+                probs[torch.arange(len(t), device=t.device), t] -= 1.0  # − one-hot: d(loss sum)/d(logits)
+                g = probs.to(compute_dtype)  # the 1/n of the mean is applied to the small results below
+                grad_features[start:start + chunk_tokens] = (g @ w).float().div_(n).to(features.dtype)
+                grad_weight += (g.t() @ x).float().div_(n)
                 if grad_bias is not None:
-                    grad_bias += g.float().sum(dim=0)
+                    grad_bias += g.float().sum(dim=0).div_(n)
         ctx.save_for_backward(grad_features, grad_weight, grad_bias)
         ctx.dtypes = (weight.dtype, bias.dtype if bias is not None else None)
         return total / n
