@@ -5,56 +5,45 @@ The op: ``out = gelu_tanh(x + bias)`` for an activation ``x`` of shape ``[..., c
 then ``gelu``) and sends the intermediate ``x + bias`` through device memory; one fused kernel reads ``x`` once and
 writes ``out`` once, so it moves half the bytes. Every implementation here computes in float32 and rounds once:
 
-- :func:`reference`: the eager PyTorch definition, and :func:`bytes_moved` / :func:`eager_bytes_moved`.
+- :func:`reference`: the eager PyTorch definition; :func:`bytes_moved` (what a fused kernel must move) and
+  :func:`operator_bytes` (what the operators a function runs really read and write).
 - :data:`bias_gelu_kernel` (Triton, autotuned): launched by :func:`bias_gelu_triton_launch`.
-- :data:`CPU_SOURCE`, :data:`CUDA_WRAPPER_SOURCE` + :data:`CUDA_KERNEL_SOURCE` (C++ / CUDA C++), built by
-  :func:`build_extension` with ``torch.utils.cpp_extension.load_inline`` and exposed as the raw operators
-  ``torch.ops.course_ext.bias_gelu_cpu`` / ``bias_gelu_cuda``; :func:`bias_gelu_cpu` / :func:`bias_gelu_cuda`
-  build on first use and call them.
+- The C++ and CUDA kernels live in ``csrc/`` as real files (:func:`extension_spec` lists them) and are built by
+  :mod:`utils.extension` (own build directory, this GPU's arch only, a deadline, a stale-lock guard):
+  ``torch.ops.course_ext.bias_gelu_cpu`` / ``bias_gelu_cuda`` / ``bias_gelu_cuda_variant``. :func:`bias_gelu_cpu`,
+  :func:`bias_gelu_cuda` and :func:`bias_gelu_cuda_variant` build on first use and call them. The CUDA file
+  keeps the kernel's versions side by side (:data:`CUDA_VARIANTS`) so that notebook 06 can measure each change;
+  :func:`cuda_kernel_usage` reads their registers from ptxas, :func:`ncu_report` their instruction counts
+  from Nsight Compute, and :func:`issue_table` puts those against what the SMs can issue at the copy bandwidth.
 - Two first-class operators with a fake (meta) implementation and autograd: ``course::bias_gelu_triton``
   (:func:`bias_gelu_triton`, ``torch.library.triton_op``: torch.compile sees the Triton kernel) and
   ``course::bias_gelu_cpp`` (:func:`bias_gelu_cpp`, ``torch.library.custom_op`` with one kernel per device type:
   the C++ extension on CPU, the CUDA extension on GPUs; opaque to torch.compile).
 
+Mixed precision: the operators accept a ``bias`` in another floating dtype than ``x`` and round it to ``x``'s
+dtype first, as ``nn.Linear`` does with its own bias under autocast. So in a model under
+``torch.autocast(dtype=torch.bfloat16)`` a Linear's bf16 output and an fp32 bias parameter work, the output is
+bf16, and the bias gradient comes back in fp32. (``torch.library.register_autocast``, from torch 2.7, would cast
+every input to one dtype fixed when registering; this rule follows ``x`` instead, so fp16 autocast on a GPU
+without bf16 keeps fp16.) The raw launchers and the C++ operators keep requiring one dtype.
+
 Triton: this module imports ``triton`` (when installed). On a machine without a GPU Triton can only run in its
 interpreter, which must be switched on *before* the first ``import triton`` in the process: set
 ``os.environ["TRITON_INTERPRET"] = "1"`` before importing this module. ``import utils`` does not import it.
-
-Building C++ extensions (:func:`build_extension`):
-
-- light headers: the sources include ``ATen/core/Tensor.h`` and ``torch/library.h`` and register their operator
-  with ``TORCH_LIBRARY_FRAGMENT`` (``is_python_module=False``, no pybind11), instead of ``torch/extension.h``.
-  On a 2-core machine the CPU extension built in 7 s this way and in 32 s with ``torch/extension.h`` + pybind11.
-  The ``.cu`` file includes no PyTorch header at all: nvcc compiles plain CUDA and a C++ file calls it.
-- one build directory per (sources, flags, torch, CUDA, GPU arch), under the repository's git-ignored ``build/``:
-  a change of any of them builds afresh, next to the old build instead of over it.
-- only for the detected GPU's arch (``TORCH_CUDA_ARCH_LIST`` from ``torch.cuda.get_device_capability()``).
-- in a child process, in its own process group, with a deadline: on timeout the whole group (Python, ninja,
-  c++/nvcc) is killed. A thread with a deadline would not bound anything: the compiler would keep running.
-- stale locks: ``load_inline`` serialises builds of one directory with a file named ``lock``. Where it uses
-  ``FileBaton`` (PyTorch before its switch to an OS lock, pytorch/pytorch#189245) the file's mere existence
-  blocks, so a build killed half-way (a timeout, Ctrl-C, an out-of-memory kill) leaves a lock that makes every
-  later build wait forever. Each build here first takes this module's own OS lock on the directory
-  (:func:`build_guard`, ``flock``: the kernel releases it when its holder dies, however it dies); holding it
-  means no other build of the directory is running, so a ``lock`` file found then is stale and is removed.
 """
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import inspect
 import json
 import os
-import signal
-import subprocess
 import sys
 import textwrap
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+
+from utils import extension
 
 try:  # Triton ships on Linux (and with Windows wheels of some builds); without it the Triton path says so.
     import triton
@@ -63,17 +52,14 @@ except ImportError:  # pragma: no cover - triton is installed with CUDA builds o
     triton = None
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-"""The dtypes every kernel here accepts (x and bias share one)."""
+"""The dtypes every kernel here accepts (x and bias share one; the operators round bias to x's)."""
 
 SQRT_2_OVER_PI = 0.7978845608028654
 GELU_CUBIC = 0.044715
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-BUILD_ROOT = REPO_ROOT / "build" / "bias_gelu"
+REPO_ROOT = extension.REPO_ROOT
+BUILD_ROOT = extension.BUILD_ROOT
 """Where the C++ extensions are built: the repository's git-ignored build/ folder."""
-
-DEFAULT_BUILD_TIMEOUT_S = 300.0
-"""The longest a build may take by default (it takes 5-20 s on a 2-core machine)."""
 
 
 # ── 1 · The op in plain PyTorch, its checks and the bytes it must move ───────────────────────────────────────
@@ -84,14 +70,63 @@ def reference(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.gelu(x + bias, approximate="tanh")
 
 
+def reference_exact(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """The same function in float64 and in the form ``z · sigmoid(2u)``, as a yardstick for relative errors.
+
+    ``0.5 z (1 + tanh u)`` cancels for negative z: ``1 + tanh u`` is a tiny difference of two numbers near 1, so
+    even float64 loses all its digits once the GELU falls below about 1e-16 · |z|; the sigmoid form keeps them.
+    """
+    z = x.double() + bias.double()
+    return z * torch.sigmoid(2 * SQRT_2_OVER_PI * (z + GELU_CUBIC * z * z * z))
+
+
 def bytes_moved(x: torch.Tensor, bias: torch.Tensor) -> int:
-    """Bytes a fused kernel must move: read x and bias once, write the output once."""
-    return (2 * x.numel() + bias.numel()) * x.element_size()
+    """Bytes a fused kernel must move: read x and bias once, write the output (x's dtype) once."""
+    return 2 * x.numel() * x.element_size() + bias.numel() * bias.element_size()
 
 
 def eager_bytes_moved(x: torch.Tensor, bias: torch.Tensor) -> int:
-    """Bytes eager moves: ``add`` reads x and bias and writes x + bias; ``gelu`` reads it back and writes out."""
+    """Bytes eager moves when x and bias share a dtype: ``add`` reads x and bias and writes x + bias; ``gelu``
+    reads it back and writes out. (:func:`operator_bytes` counts them from what eager runs instead.)"""
     return (4 * x.numel() + bias.numel()) * x.element_size()
+
+
+def operator_bytes(fn) -> list[dict[str, object]]:
+    """Run ``fn()`` and return every ATen operator it ran, with the bytes it read (its input tensors) and wrote
+    (its output tensors), as the operators really ran: shapes, dtypes (type promotion, autocast) and all.
+
+    A ``TorchDispatchMode`` sees each operator below autograd and autocast with its real tensors, the level at
+    which kernels are launched. Counting each input once and each output once is exact for elementwise
+    operators (add, gelu, ...), the ones eager bias + GELU runs. Views (outputs that share an input's memory)
+    move nothing and are left out. Returns rows ``{"operator", "inputs", "output dtype", "read_bytes",
+    "written_bytes"}``.
+    """
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    rows: list[dict[str, object]] = []
+
+    def describe(t: torch.Tensor) -> str:
+        return f"{list(t.shape)} {str(t.dtype).removeprefix('torch.')}"
+
+    class Recorder(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+            shared = {t.untyped_storage().data_ptr() for t in inputs}
+            if outputs and all(t.untyped_storage().data_ptr() in shared for t in outputs):
+                return out  # a view: no bytes move
+            rows.append({"operator": func.name().split(".")[0],
+                         "inputs": " + ".join(describe(t) for t in inputs),
+                         "output dtype": ", ".join(str(t.dtype).removeprefix("torch.") for t in outputs),
+                         "read_bytes": sum(t.numel() * t.element_size() for t in inputs),
+                         "written_bytes": sum(t.numel() * t.element_size() for t in outputs)})
+            return out
+
+    with Recorder():
+        fn()
+    return rows
 
 
 def tolerance(dtype: torch.dtype) -> dict[str, float]:
@@ -109,7 +144,8 @@ def tolerance(dtype: torch.dtype) -> dict[str, float]:
     raise ValueError(f"no tolerance for {dtype}: the kernels support {SUPPORTED_DTYPES}")
 
 
-def check_inputs(x: torch.Tensor, bias: torch.Tensor, *, device_type: str | None = None) -> None:
+def check_inputs(x: torch.Tensor, bias: torch.Tensor, *, device_type: str | None = None,
+                 same_dtype: bool = True) -> None:
     """Raise a clear error unless ``x [..., cols]`` and ``bias [cols]`` suit the kernels of this module.
 
     Every entry point calls this before launching anything, so bad inputs fail the same way on every device
@@ -117,19 +153,23 @@ def check_inputs(x: torch.Tensor, bias: torch.Tensor, *, device_type: str | None
 
     Args:
         device_type: the device type the caller's kernel needs ("cpu" or "cuda"); None accepts any.
+        same_dtype: require bias in x's dtype (the kernels); False accepts any supported dtype (the operators,
+            which round bias to x's dtype).
 
     Raises:
-        TypeError: for a non-tensor, or a dtype other than float32 / float16 / bfloat16, or x and bias of
-            different dtypes.
+        TypeError: for a non-tensor, or a dtype other than float32 / float16 / bfloat16, or (same_dtype) x and
+            bias of different dtypes.
         ValueError: for the wrong device, mismatched shapes, or a non-contiguous tensor.
     """
     for name, t in (("x", x), ("bias", bias)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"bias_gelu: {name} must be a torch.Tensor, got {type(t).__name__}")
-    if x.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"bias_gelu: x must be float32, float16 or bfloat16, got {x.dtype}")
-    if bias.dtype != x.dtype:
-        raise TypeError(f"bias_gelu: x and bias must have the same dtype, got {x.dtype} and {bias.dtype}")
+    for name, t in (("x", x), ("bias", bias)):
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"bias_gelu: {name} must be float32, float16 or bfloat16, got {t.dtype}")
+    if same_dtype and bias.dtype != x.dtype:
+        raise TypeError(f"bias_gelu: x and bias must have the same dtype, got {x.dtype} and {bias.dtype} (the "
+                        "operators course::bias_gelu_* round bias to x's dtype for you)")
     if device_type is not None and x.device.type != device_type:
         hint = "move them with .to('cuda')" if device_type == "cuda" else f"use the {x.device.type} kernel"
         raise ValueError(f"bias_gelu: this kernel needs {device_type} tensors, got x on {x.device}: {hint}")
@@ -154,7 +194,7 @@ def triton_configs() -> list:
     if TRITON_INTERPRETED:  # numpy runs each program: large tiles, nothing to tune
         return [triton.Config({"BLOCK_R": 64, "BLOCK_C": 1024})]
     return [triton.Config({"BLOCK_R": r, "BLOCK_C": c}, num_warps=w)
-            for r, c, w in ((1, 2048, 4), (4, 1024, 4), (8, 1024, 8), (16, 512, 8))]
+            for r, c, w in ((1, 2048, 4), (1, 4096, 8), (4, 1024, 4), (8, 1024, 8), (16, 512, 8))]
 
 
 if triton is not None:
@@ -211,430 +251,200 @@ def bias_gelu_triton_launch(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor
     return _triton_forward(x, bias, bias_gelu_kernel)
 
 
-# ── 3 · C++ and CUDA C++ sources ────────────────────────────────────────────────────────────────────────────
+# ── 3 · The C++ and CUDA extensions (sources in csrc/, built by utils.extension) ─────────────────────────────
 
-CHECKS_SOURCE = r"""
-// Input checks shared by the CPU and the CUDA kernel: a clear error instead of garbage.
-#include <ATen/core/Tensor.h>
+CSRC = extension.CSRC
+CPU_SOURCES = (CSRC / "bias_gelu_cpu.cpp",)
+CUDA_SOURCES = (CSRC / "bias_gelu_cuda.cpp", CSRC / "bias_gelu.cu")
+HEADERS = (CSRC / "bias_gelu_checks.h", CSRC / "bias_gelu_launch.h")
 
-#include <string>
-
-// "[8, 16]": shapes written out by hand, because streaming x.sizes() into TORCH_CHECK's message crashed the
-// process (SIGSEGV) instead of raising with torch 2.11's headers.
-inline std::string shape_text(const at::Tensor& t) {
-  std::string text = "[";
-  for (int64_t d = 0; d < t.dim(); ++d) text += (d ? ", " : "") + std::to_string(t.size(d));
-  return text + "]";
+CUDA_VARIANTS = {
+    "flat (first version)": 0,
+    "rows": 1,
+    "rows + fast exp": 2,
+    "rows + tanh.approx": 3,
 }
+"""The versions of the CUDA kernel in csrc/bias_gelu.cu (``variant`` of ``course_ext::bias_gelu_cuda_variant``):
 
-inline void check_bias_gelu_inputs(const at::Tensor& x, const at::Tensor& bias, c10::DeviceType device_type,
-                                   const char* op) {
-  TORCH_CHECK(x.device().type() == device_type && bias.device() == x.device(), op, ": expected x and bias on one ",
-              c10::DeviceTypeName(device_type), " device, got x on ", x.device(), " and bias on ", bias.device());
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16,
-              op, ": x must be float32, float16 or bfloat16, got ", x.scalar_type());
-  TORCH_CHECK(bias.scalar_type() == x.scalar_type(), op, ": x and bias must have the same dtype, got ",
-              x.scalar_type(), " and ", bias.scalar_type());
-  TORCH_CHECK(x.dim() >= 1 && bias.dim() == 1 && bias.size(0) == x.size(-1), op,
-              ": need x [..., cols] and bias [cols], got x ", shape_text(x), " and bias ",
-              shape_text(bias));
-  TORCH_CHECK(x.is_contiguous() && bias.is_contiguous(), op, ": x and bias must be contiguous");
-}
+- ``flat (first version)``: the tensor as one flat array of 16-byte packs; per pack a division (``% cols``), per
+  element a scalar bias load and a wrap test; precise ``expf``.
+- ``rows``: 2-D; each thread loads one 16-byte bias pack once and keeps it for all its rows; offsets without
+  division; the same math as the first version, so the same bits.
+- ``rows + fast exp``: ``ex2.approx`` with log2(e) folded into the polynomial, ``rcp.approx``: a few float32
+  ulps off, invisible after rounding to 16 bits. ``bias_gelu_cuda`` uses it for float16 / bfloat16, and
+  ``rows`` for float32.
+- ``rows + tanh.approx``: ``0.5 z (1 + tanh u)`` with the hardware tanh: fewest instructions, but ``1 + tanh u``
+  cancels for negative z, where the relative error grows to many percent: measured, not used.
 """
 
-CPU_SOURCE = r"""
-#include <ATen/Parallel.h>
-#include <ATen/ops/empty_like.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
-#include <torch/library.h>
-
-#include <algorithm>
-#include <cmath>
-
-namespace {
-
-inline float gelu_tanh(float z) {  // 0.5 z (1 + tanh(u)) == z * sigmoid(2u), u = sqrt(2/pi) (z + 0.044715 z^3)
-  const float two_u = 1.5957691216057308f * (z + 0.044715f * z * z * z);
-  return z / (1.0f + std::exp(-two_u));
-}
-
-template <typename T>
-void bias_gelu_rows(const T* x, const T* bias, T* out, int64_t row_begin, int64_t row_end, int64_t cols) {
-  for (int64_t r = row_begin; r < row_end; ++r) {
-    const T* x_row = x + r * cols;
-    T* out_row = out + r * cols;
-    for (int64_t c = 0; c < cols; ++c) {
-      out_row[c] = static_cast<T>(gelu_tanh(static_cast<float>(x_row[c]) + static_cast<float>(bias[c])));
-    }
-  }
-}
-
-template <typename T>
-void run(const at::Tensor& x, const at::Tensor& bias, at::Tensor& out, int64_t rows, int64_t cols) {
-  const T* xp = x.const_data_ptr<T>();
-  const T* bp = bias.const_data_ptr<T>();
-  T* op = out.mutable_data_ptr<T>();
-  const int64_t grain = std::max<int64_t>(1, 32768 / cols);  // rows per task: about 32K elements
-  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) { bias_gelu_rows(xp, bp, op, begin, end, cols); });
-}
-
-at::Tensor bias_gelu_cpu(const at::Tensor& x, const at::Tensor& bias) {
-  check_bias_gelu_inputs(x, bias, c10::DeviceType::CPU, "bias_gelu_cpu");
-  at::Tensor out = at::empty_like(x);
-  if (x.numel() == 0) return out;
-  const int64_t cols = x.size(-1);
-  const int64_t rows = x.numel() / cols;
-  switch (x.scalar_type()) {
-    case at::kFloat: run<float>(x, bias, out, rows, cols); break;
-    case at::kHalf: run<c10::Half>(x, bias, out, rows, cols); break;
-    default: run<c10::BFloat16>(x, bias, out, rows, cols); break;
-  }
-  return out;
-}
-
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(course_ext, m) {
-  m.def("bias_gelu_cpu(Tensor x, Tensor bias) -> Tensor", &bias_gelu_cpu);
-}
-"""
-
-CUDA_KERNEL_SOURCE = r"""
-// Plain CUDA: no PyTorch header, so nvcc compiles it in seconds. The C++ file below calls the launcher.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda_runtime.h>
-
-#include <cstdint>
-
-namespace {
-
-// PyTorch builds with __CUDA_NO_HALF_CONVERSIONS__: convert explicitly.
-__device__ __forceinline__ float to_float(float v) { return v; }
-__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-template <typename T> __device__ __forceinline__ T from_float(float v);
-template <> __device__ __forceinline__ float from_float<float>(float v) { return v; }
-template <> __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
-template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
-  return __float2bfloat16_rn(v);
-}
-
-__device__ __forceinline__ float gelu_tanh(float z) {  // z * sigmoid(2u), u = sqrt(2/pi) (z + 0.044715 z^3)
-  const float two_u = 1.5957691216057308f * (z + 0.044715f * z * z * z);
-  return __fdividef(z, 1.0f + expf(-two_u));
-}
-
-// VEC elements in one aligned struct: the compiler loads and stores it with one 16-byte instruction.
-template <typename T, int VEC>
-struct alignas(sizeof(T) * VEC) Pack {
-  T v[VEC];
-};
-
-// A block owns UNROLL * blockDim.x packs of VEC consecutive elements of the flat [rows * cols] tensor; thread t
-// takes packs t, t + blockDim.x, ... so that each step is one coalesced sweep. All UNROLL 16-byte loads are issued
-// before any arithmetic: more bytes in flight per thread, which is what hides the memory latency. A pack that would
-// run past the end becomes a scalar tail. Index is uint32_t below 2^31 elements: 64-bit division costs far more.
-template <typename T, int VEC, int UNROLL, typename Index>
-__global__ void bias_gelu_kernel(const T* __restrict__ x, const T* __restrict__ bias, T* __restrict__ out,
-                                 Index n, Index cols) {
-  const Index block_first = static_cast<Index>(blockIdx.x) * blockDim.x * UNROLL * VEC;
-  Pack<T, VEC> in[UNROLL];
-#pragma unroll
-  for (int u = 0; u < UNROLL; ++u) {
-    const Index first = block_first + (static_cast<Index>(u) * blockDim.x + threadIdx.x) * VEC;
-    if (first + VEC <= n) in[u] = *reinterpret_cast<const Pack<T, VEC>*>(x + first);
-  }
-#pragma unroll
-  for (int u = 0; u < UNROLL; ++u) {
-    const Index first = block_first + (static_cast<Index>(u) * blockDim.x + threadIdx.x) * VEC;
-    if (first + VEC <= n) {
-      Pack<T, VEC> res;
-      Index c = first % cols;  // one division per pack; then step along the row, wrapping at its end
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) {
-        res.v[k] = from_float<T>(gelu_tanh(to_float(in[u].v[k]) + to_float(bias[c])));
-        if (++c == cols) c = 0;
-      }
-      *reinterpret_cast<Pack<T, VEC>*>(out + first) = res;
-    } else {
-      for (Index i = first; i < n; ++i) out[i] = from_float<T>(gelu_tanh(to_float(x[i]) + to_float(bias[i % cols])));
-    }
-  }
-}
-
-constexpr int kThreads = 128;
-constexpr int kUnroll = 4;
-
-template <typename T, int VEC>
-void launch_vec(const T* x, const T* bias, T* out, int64_t n, int64_t cols, unsigned int blocks,
-                cudaStream_t stream) {
-  if (n < (int64_t{1} << 31)) {
-    bias_gelu_kernel<T, VEC, kUnroll, uint32_t><<<blocks, kThreads, 0, stream>>>(
-        x, bias, out, static_cast<uint32_t>(n), static_cast<uint32_t>(cols));
-  } else {
-    bias_gelu_kernel<T, VEC, kUnroll, int64_t><<<blocks, kThreads, 0, stream>>>(x, bias, out, n, cols);
-  }
-}
-
-template <typename T>
-cudaError_t launch(const void* x, const void* bias, void* out, int64_t n, int64_t cols, cudaStream_t stream) {
-  constexpr int kVec = 16 / sizeof(T);  // 4 floats or 8 halves per 16-byte access
-  // A view that starts mid-allocation may not be 16-byte aligned: then one element per access.
-  const bool aligned = reinterpret_cast<uintptr_t>(x) % 16 == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0;
-  const int64_t per_block = int64_t{kThreads} * kUnroll * (aligned ? kVec : 1);
-  const int64_t blocks = (n + per_block - 1) / per_block;
-  if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
-  const T* xt = static_cast<const T*>(x);
-  const T* bt = static_cast<const T*>(bias);
-  T* ot = static_cast<T*>(out);
-  if (aligned) {
-    launch_vec<T, kVec>(xt, bt, ot, n, cols, static_cast<unsigned int>(blocks), stream);
-  } else {
-    launch_vec<T, 1>(xt, bt, ot, n, cols, static_cast<unsigned int>(blocks), stream);
-  }
-  return cudaGetLastError();
-}
-
-}  // namespace
-
-// dtype: 0 float32, 1 float16, 2 bfloat16.
-cudaError_t bias_gelu_cuda_launch(int dtype, const void* x, const void* bias, void* out, int64_t n, int64_t cols,
-                                  cudaStream_t stream) {
-  switch (dtype) {
-    case 0: return launch<float>(x, bias, out, n, cols, stream);
-    case 1: return launch<__half>(x, bias, out, n, cols, stream);
-    case 2: return launch<__nv_bfloat16>(x, bias, out, n, cols, stream);
-    default: return cudaErrorInvalidValue;
-  }
-}
-"""
-
-CUDA_WRAPPER_SOURCE = r"""
-// The PyTorch side of the CUDA kernel: checks, device guard, output allocation, stream, launch, error check.
-#include <ATen/ops/empty_like.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-#include <cuda_runtime_api.h>
-#include <torch/library.h>
-
-cudaError_t bias_gelu_cuda_launch(int dtype, const void* x, const void* bias, void* out, int64_t n, int64_t cols,
-                                  cudaStream_t stream);
-
-namespace {
-
-at::Tensor bias_gelu_cuda(const at::Tensor& x, const at::Tensor& bias) {
-  check_bias_gelu_inputs(x, bias, c10::DeviceType::CUDA, "bias_gelu_cuda");
-  const c10::cuda::CUDAGuard guard(x.device());  // launch on x's GPU, whichever is current
-  at::Tensor out = at::empty_like(x);
-  if (x.numel() == 0) return out;
-  const int dtype = x.scalar_type() == at::kFloat ? 0 : x.scalar_type() == at::kHalf ? 1 : 2;
-  const cudaError_t err = bias_gelu_cuda_launch(dtype, x.const_data_ptr(), bias.const_data_ptr(),
-                                                out.mutable_data_ptr(), x.numel(), x.size(-1),
-                                                c10::cuda::getCurrentCUDAStream());
-  TORCH_CHECK(err == cudaSuccess, "bias_gelu_cuda: kernel launch failed: ", cudaGetErrorString(err));
-  return out;
-}
-
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(course_ext, m) {
-  m.def("bias_gelu_cuda(Tensor x, Tensor bias) -> Tensor", &bias_gelu_cuda);
-}
-"""
+CUDA_BEST = {torch.float32: "rows", torch.float16: "rows + fast exp", torch.bfloat16: "rows + fast exp"}
+"""The variant ``bias_gelu_cuda`` runs for each dtype."""
 
 
-# ── 4 · Building: own directory, stale locks, a deadline ─────────────────────────────────────────────────────
+def extension_spec(kind: str, *, arch: str | None = None) -> extension.ExtensionSpec:
+    """The :class:`utils.extension.ExtensionSpec` of the ``"cpu"`` or ``"cuda"`` extension.
 
-
-def cuda_arch_list(device: torch.device | str | None = None) -> str:
-    """``TORCH_CUDA_ARCH_LIST`` for the detected GPU only, e.g. "9.0" on an H100 (sm_90)."""
-    major, minor = torch.cuda.get_device_capability(device)
-    return f"{major}.{minor}"
-
-
-def extension_spec(kind: str, *, arch: str | None = None) -> dict:
-    """The ``load_inline`` arguments of the ``"cpu"`` or ``"cuda"`` extension, plus the CUDA arch to build for.
-
-    ``arch`` (e.g. "9.0") defaults to the current GPU's; passing it builds without a GPU (nvcc suffices).
+    ``arch`` (e.g. "9.0") defaults to the current GPU's; passing it builds without a GPU (nvcc suffices). The
+    CUDA build passes ``-Xptxas=-v`` so that its log holds every kernel's registers (:func:`cuda_kernel_usage`).
     """
     if kind == "cpu":
-        return {"name": "bias_gelu_cpu_ext", "cpp_sources": [CHECKS_SOURCE, CPU_SOURCE], "cuda_sources": [],
-                "extra_cflags": ["-O3"], "extra_cuda_cflags": [], "arch": None}
+        return extension.ExtensionSpec("bias_gelu_cpu_ext", CPU_SOURCES, HEADERS[:1])
     if kind == "cuda":
-        return {"name": "bias_gelu_cuda_ext", "cpp_sources": [CHECKS_SOURCE, CUDA_WRAPPER_SOURCE],
-                "cuda_sources": [CUDA_KERNEL_SOURCE], "extra_cflags": ["-O3"], "extra_cuda_cflags": ["-O3"],
-                "arch": arch or cuda_arch_list()}
+        return extension.ExtensionSpec("bias_gelu_cuda_ext", CUDA_SOURCES, HEADERS,
+                                       extra_cuda_cflags=("-O3", "-Xptxas=-v"), arch=arch or extension.cuda_arch())
     raise ValueError(f"kind must be 'cpu' or 'cuda', got {kind!r}")
 
 
-def build_directory(spec: dict, root: Path = BUILD_ROOT) -> Path:
-    """``root/<name>-<hash>``: the hash covers sources, flags, arch and the torch / CUDA / Python versions."""
-    key = json.dumps([spec, torch.__version__, torch.version.cuda, sys.version_info[:2]], sort_keys=True)
-    return Path(root) / f"{spec['name']}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
-
-
-@contextlib.contextmanager
-def build_guard(directory: Path, *, timeout_s: float | None = None) -> Iterator[bool]:
-    """Hold this module's OS lock on ``directory`` for one build; yield True if a stale ``lock`` was removed.
-
-    The lock is ``flock`` on ``directory/build.flock``: the kernel releases it when the holding process dies, so
-    it can never go stale. While it is held no other build of the directory runs, so torch's ``lock`` file, if
-    present, was left by an interrupted build: it is removed before ``load_inline`` would wait on it forever.
-
-    Raises:
-        TimeoutError: another build held the directory for more than ``timeout_s`` seconds (None: wait).
-    """
-    import fcntl  # POSIX only, as is this course's build path (Linux, Colab)
-
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    with open(directory / "build.flock", "w") as guard:
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        waiting = False
-        while True:
-            try:
-                fcntl.flock(guard, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if not waiting:
-                    print(f"waiting for another build of {directory}", flush=True)
-                    waiting = True
-                if deadline is not None and time.monotonic() > deadline:
-                    raise TimeoutError(f"another build of {directory} is running (it holds "
-                                       f"{directory / 'build.flock'}) and did not finish in {timeout_s} s") from None
-                time.sleep(0.05)
-        stale = directory / "lock"
-        removed = stale.exists()
-        stale.unlink(missing_ok=True)
-        yield removed  # the OS lock is released when the file closes, here or when the process dies
-
-
-def run_with_deadline(cmd: list[str], *, timeout_s: float, log_path: Path, env: dict | None = None) -> int:
-    """Run ``cmd`` in its own process group with output to ``log_path``; kill the whole group at the deadline.
-
-    Returns the exit status. Raises TimeoutError after killing every process of the group (the child and
-    whatever it started: ninja, the compilers), which a thread with a deadline could not do. An interrupt
-    (Ctrl-C, Jupyter's stop button) kills the group too, then propagates.
-    """
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=hasattr(os, "killpg"))
-        try:
-            return proc.wait(timeout=timeout_s)
-        except BaseException as err:  # the deadline, or Ctrl-C / a kernel interrupt: stop the whole group
-            if hasattr(os, "killpg"):
-                os.killpg(proc.pid, signal.SIGKILL)  # the group: Python, ninja, c++ / nvcc
-            else:  # pragma: no cover
-                proc.kill()
-            proc.wait()
-            if isinstance(err, subprocess.TimeoutExpired):
-                raise TimeoutError(f"{Path(cmd[0]).name} did not finish within {timeout_s:.0f} s and was killed "
-                                   f"with its children; its output is in {log_path}") from None
-            raise
-
-
-_CHILD = r"""
-import inspect, json, sys
-from pathlib import Path
-from torch.utils.cpp_extension import load_inline
-from utils.bias_gelu import build_guard
-spec = json.loads(Path(sys.argv[1]).read_text())
-if "no_implicit_headers" not in inspect.signature(load_inline).parameters:  # older torch: it adds its header
-    spec.pop("no_implicit_headers")
-with build_guard(Path(spec["build_directory"])) as removed:
-    if removed:
-        print("removed a stale lock left by an interrupted build")
-    load_inline(**spec)
-"""
-
-_LOADED: dict[str, Path] = {}
-
-
-def build_extension(kind: str, *, timeout_s: float = DEFAULT_BUILD_TIMEOUT_S, root: Path = BUILD_ROOT,
+def build_extension(kind: str, *, timeout_s: float = extension.DEFAULT_TIMEOUT_S, root: Path = BUILD_ROOT,
                     arch: str | None = None) -> Path:
     """Build (if needed) and load the ``"cpu"`` or ``"cuda"`` extension; return the path of its shared library.
 
-    Afterwards ``torch.ops.course_ext.bias_gelu_<kind>`` exists. A finished build is reused, also by another
-    process; a new build runs in a child process that is killed at ``timeout_s``. ``arch`` as in
-    :func:`extension_spec`.
-
-    Raises:
-        TimeoutError: the build did not finish in time (its partial output stays; the next call resumes it).
-        RuntimeError: the build failed (the message ends with the compiler's last lines), or "cuda" was asked
-            for without nvcc or a CUDA build of torch.
+    Afterwards ``torch.ops.course_ext.bias_gelu_<kind>`` exists. See :func:`utils.extension.build`.
     """
-    spec = extension_spec(kind, arch=arch)
-    directory = build_directory(spec, root)
-    library = directory / f"{spec['name']}.so"
-    if _LOADED.get(kind) == library:
-        return library
-    done = directory / "build.ok"  # written only after a child process built and loaded the library
-    if not (done.exists() and library.exists()):
-        _build_in_child(spec, directory, timeout_s)
-        done.write_text(library.name)
-    try:
-        torch.ops.load_library(str(library))
-    except (OSError, RuntimeError) as err:
-        raise RuntimeError(f"loading {library} failed (after changing a source in this session, restart the "
-                           f"kernel: an operator cannot be registered twice): {err}") from err
-    _LOADED[kind] = library
-    return library
+    return extension.build(extension_spec(kind, arch=arch), timeout_s=timeout_s, root=root)
 
 
-def _build_in_child(spec: dict, directory: Path, timeout_s: float) -> None:
-    from utils.env import find_nvcc
-
-    env = dict(os.environ)
-    if spec["cuda_sources"]:
-        nvcc = find_nvcc()
-        if nvcc is None or torch.version.cuda is None:
-            raise RuntimeError(f"the CUDA extension needs nvcc (the CUDA toolkit) and a CUDA build of torch; found "
-                               f"nvcc={nvcc}, torch CUDA {torch.version.cuda}")
-        env["TORCH_CUDA_ARCH_LIST"] = spec["arch"]  # this GPU's arch only: one device compile, not one per arch
-        env.setdefault("CUDA_HOME", str(Path(nvcc).resolve().parents[1]))  # the toolkit that nvcc belongs to
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)  # for utils
-    directory.mkdir(parents=True, exist_ok=True)
-    args = {k: v for k, v in spec.items() if k != "arch"}
-    args.update(build_directory=str(directory), is_python_module=False, no_implicit_headers=True, verbose=True)
-    spec_path = directory / "spec.json"
-    spec_path.write_text(json.dumps(args))
-    log = directory / "build.log"
-    try:
-        status = run_with_deadline([sys.executable, "-c", _CHILD, str(spec_path)], timeout_s=timeout_s,
-                                   log_path=log, env=env)
-    except TimeoutError as err:
-        if "waiting for another build" in log.read_text(errors="replace"):
-            raise TimeoutError(f"{err}; it was waiting for another build of the same directory, which holds "
-                               f"{directory / 'build.flock'}") from None
-        raise
-    output = log.read_text(errors="replace").splitlines()
-    if "removed a stale lock left by an interrupted build" in output:
-        print(f"removed a stale lock left by an interrupted build in {directory}")
-    if status != 0:
-        tail = "\n".join(output[-25:])
-        raise RuntimeError(f"building {spec['name']} failed (exit {status}); full log {log}:\n{tail}")
+def _loaded(kind: str) -> bool:
+    return f"bias_gelu_{kind}_ext" in extension._LOADED
 
 
 def bias_gelu_cpu(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """The C++ CPU kernel (built on first use): ``torch.ops.course_ext.bias_gelu_cpu`` after the checks."""
     check_inputs(x, bias, device_type="cpu")
-    if "cpu" not in _LOADED:
+    if not _loaded("cpu"):
         build_extension("cpu")
     return torch.ops.course_ext.bias_gelu_cpu(x, bias)
 
 
 def bias_gelu_cuda(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """The CUDA C++ kernel (built on first use): ``torch.ops.course_ext.bias_gelu_cuda`` after the checks."""
+    """The CUDA C++ kernel (built on first use), the best variant for x's dtype (:data:`CUDA_BEST`)."""
     check_inputs(x, bias, device_type="cuda")
-    if "cuda" not in _LOADED:
-        build_extension("cuda", arch=cuda_arch_list(x.device))
+    if not _loaded("cuda"):
+        build_extension("cuda", arch=extension.cuda_arch(x.device))
     return torch.ops.course_ext.bias_gelu_cuda(x, bias)
 
 
-# ── 5 · Operators: torch.library.custom_op / triton_op, fake implementations, autograd ──────────────────────
+def bias_gelu_cuda_variant(x: torch.Tensor, bias: torch.Tensor, variant: str) -> torch.Tensor:
+    """One named version of the CUDA kernel (:data:`CUDA_VARIANTS`), for comparing them."""
+    if variant not in CUDA_VARIANTS:
+        raise ValueError(f"unknown CUDA variant {variant!r}: choose one of {list(CUDA_VARIANTS)}")
+    check_inputs(x, bias, device_type="cuda")
+    if not _loaded("cuda"):
+        build_extension("cuda", arch=extension.cuda_arch(x.device))
+    return torch.ops.course_ext.bias_gelu_cuda_variant(x, bias, CUDA_VARIANTS[variant])
+
+
+_CUDA_TYPE_NAMES = {torch.float32: "float", torch.float16: "__half", torch.bfloat16: "__nv_bfloat16"}
+
+
+def cuda_kernel_usage(dtype: torch.dtype, *, arch: str | None = None) -> dict[str, extension.KernelUsage]:
+    """Registers and spills of each variant's vector kernel for ``dtype`` (16-byte packs), from ptxas -v in the
+    CUDA build's log: ``{variant name: KernelUsage}``; {} when the log has none (see
+    :func:`utils.extension.ptxas_usage`)."""
+    vec = 16 // dtype.itemsize
+    wanted = {f"bias_gelu_flat_kernel<{_CUDA_TYPE_NAMES[dtype]}, {vec}, unsigned int>": "flat (first version)"}
+    for name, number in list(CUDA_VARIANTS.items())[1:]:
+        wanted[f"bias_gelu_rows_kernel<{_CUDA_TYPE_NAMES[dtype]}, {vec}, ((anonymous namespace)::Math){number - 1}>"] \
+            = name
+    directory = extension.build_directory(extension_spec("cuda", arch=arch))
+    found = {}
+    for usage in extension.ptxas_usage(directory):
+        for signature, name in wanted.items():
+            if signature in usage.kernel:
+                found[name] = usage
+    return {name: found[name] for name in CUDA_VARIANTS if name in found}
+
+
+_NCU_CHILD = r"""
+import json, sys
+import torch
+from utils import bias_gelu as bg
+args = json.loads(sys.argv[1])
+dtype = getattr(torch, args["dtype"])
+x = torch.randn(args["rows"], args["cols"], device="cuda", dtype=dtype)
+bias = torch.randn(args["cols"], device="cuda", dtype=dtype)
+compiled = torch.compile(bg.reference, dynamic=False)
+runs = [("eager", lambda: bg.reference(x, bias)), ("torch.compile", lambda: compiled(x, bias))]
+if bg.triton is not None:
+    runs.append(("Triton", lambda: bg.bias_gelu_triton_launch(x, bias)))
+runs += [(f"CUDA {name}", lambda name=name: bg.bias_gelu_cuda_variant(x, bias, name)) for name in bg.CUDA_VARIANTS]
+for _, fn in runs:  # builds, autotunes and compiles outside the profiled range
+    fn()
+torch.cuda.synchronize()
+torch.cuda.profiler.start()
+for _, fn in runs:
+    fn()
+torch.cuda.synchronize()
+torch.cuda.profiler.stop()
+print("LABELS " + json.dumps([label for label, _ in runs]))
+"""
+
+NCU_METRICS = (
+    "gpu__time_duration.sum",  # ns
+    "smsp__inst_executed.sum",  # warp instructions issued and executed
+    "dram__bytes_read.sum", "dram__bytes_write.sum",
+    "smsp__issue_active.avg.pct_of_peak_sustained_active",  # % of cycles a scheduler issued an instruction
+    "sm__cycles_elapsed.avg.per_second",  # the SM clock while the kernel ran (Hz)
+    "launch__registers_per_thread",
+    "sm__warps_active.avg.pct_of_peak_sustained_active",  # achieved occupancy
+)
+
+
+def ncu_report(rows: int, cols: int, dtype: torch.dtype, *, timeout_s: float = 300.0) -> list[dict[str, object]]:
+    """Nsight Compute's counters for one call of every version on ``x [rows, cols]``: eager (two kernels, labelled
+    "eager: add" and "eager: gelu"), torch.compile's fused kernel, Triton and each CUDA variant (labelled "CUDA
+    <variant>"), in a child process (``ncu --clock-control none``). One row per kernel launch:
+    ``{"label", "kernel", <NCU_METRICS>}``.
+
+    Raises:
+        RuntimeError / TimeoutError: as :func:`utils.extension.run_ncu` (no ncu, no permission, a failure).
+    """
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+    env.pop("TRITON_INTERPRET", None)
+    args = json.dumps({"rows": rows, "cols": cols, "dtype": str(dtype).removeprefix("torch.")})
+    log = BUILD_ROOT / "ncu" / "bias_gelu.log"
+    launches = extension.run_ncu([sys.executable, "-c", _NCU_CHILD, args], metrics=NCU_METRICS,
+                                 timeout_s=timeout_s, env=env, log_path=log, profile_from_start=False)
+    labels = json.loads(next(line for line in log.read_text().splitlines() if line.startswith("LABELS "))[7:])
+    expanded = [part for label in labels for part in (("eager: add", "eager: gelu") if label == "eager" else (label,))]
+    if len(expanded) != len(launches):
+        raise RuntimeError(f"ncu profiled {len(launches)} kernels, expected {len(expanded)} ({labels}); see {log}")
+    return [{"label": label, **launch} for label, launch in zip(expanded, launches, strict=True)]
+
+
+def issue_table(launches: list[dict[str, object]], x: torch.Tensor, *, sm_count: int,
+                copy_gbps: float) -> list[dict[str, object]]:
+    """Table rows from :func:`ncu_report`: per kernel, the instructions it issued per element of ``x`` (and per
+    byte moved: 2 × the element size, read and write) against the issue budget per element, with the share of
+    cycles a scheduler issued, registers, achieved occupancy, DRAM bytes and the SM clock.
+
+    The budget is what the SMs can issue while the copy bandwidth moves one element: ``sm_count`` × 4 schedulers
+    × 32 threads × the SM clock the kernel ran at, over the elements per second ``copy_gbps`` moves.
+    """
+    n, per_element = x.numel(), 2 * x.element_size()
+    rows = []
+    for launch in launches:
+        clock_hz = float(launch["sm__cycles_elapsed.avg.per_second"])
+        budget = sm_count * 4 * 32 * clock_hz / (copy_gbps * 1e9 / per_element)
+        per_elem = float(launch["smsp__inst_executed.sum"]) * 32 / n  # warp instructions × 32 threads
+        dram = float(launch["dram__bytes_read.sum"]) + float(launch["dram__bytes_write.sum"])
+        rows.append({"kernel": launch["label"], "instructions / element": f"{per_elem:.1f}",
+                     "per byte": f"{per_elem / per_element:.1f}", "budget / element": f"{budget:.0f}",
+                     "issue busy": f"{float(launch['smsp__issue_active.avg.pct_of_peak_sustained_active']):.0f}%",
+                     "registers": int(float(launch["launch__registers_per_thread"])),
+                     "occupancy": f"{float(launch['sm__warps_active.avg.pct_of_peak_sustained_active']):.0f}%",
+                     "DRAM": f"{dram / 1e6:,.0f} MB", "SM clock": f"{clock_hz / 1e6:,.0f} MHz"})
+    return rows
+
+
+# ── 4 · Operators: torch.library.custom_op / triton_op, fake implementations, autograd ──────────────────────
+
+
+def _bias_like_x(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """bias in x's dtype, after the checks: a bf16 activation from an autocast Linear and an fp32 bias work."""
+    check_inputs(x, bias, same_dtype=False)
+    return bias.to(x.dtype)
 
 
 @torch.library.custom_op("course::bias_gelu_cpp", mutates_args=())
@@ -645,18 +455,18 @@ def bias_gelu_cpp(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
 
 @bias_gelu_cpp.register_kernel("cpu")
 def _bias_gelu_cpp_cpu(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    return bias_gelu_cpu(x, bias)
+    return bias_gelu_cpu(x, _bias_like_x(x, bias))
 
 
 @bias_gelu_cpp.register_kernel("cuda")
 def _bias_gelu_cpp_cuda(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    return bias_gelu_cuda(x, bias)
+    return bias_gelu_cuda(x, _bias_like_x(x, bias))
 
 
 @bias_gelu_cpp.register_fake
 def _bias_gelu_fake(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """What torch.compile and opcheck trace with: same checks, an output of the right shape, dtype and device."""
-    check_inputs(x, bias)
+    check_inputs(x, bias, same_dtype=False)
     return torch.empty_like(x)
 
 
@@ -667,7 +477,7 @@ def bias_gelu_triton(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     triton_op registers this function itself as the fake implementation: with fake tensors the wrapped
     kernel launch is recorded, not run.
     """
-    check_inputs(x, bias)
+    bias = _bias_like_x(x, bias)
     _require_triton(x)
     return _triton_forward(x, bias, torch.library.wrap_triton(bias_gelu_kernel))
 
@@ -685,7 +495,7 @@ def _setup_context(ctx, inputs, output) -> None:
 
 def _backward(ctx, grad_out: torch.Tensor):
     x, bias = ctx.saved_tensors
-    z = x.float() + bias.float()
+    z = x.float() + bias.to(x.dtype).float()  # the forward's z: bias rounded to x's dtype first
     grad_z = grad_out.float() * gelu_tanh_grad(z)
     return grad_z.to(x.dtype), grad_z.reshape(-1, z.shape[-1]).sum(0).to(bias.dtype)
 
@@ -703,7 +513,7 @@ def source_of(obj) -> str:
 
 
 def operators_source() -> str:
-    """The source of section 5 of this module: the two operators, their fake implementation and autograd."""
+    """The source of section 4 of this module: the two operators, their fake implementation and autograd."""
     text = inspect.getsource(sys.modules[__name__])
-    start = text.index("@torch.library.custom_op(")
+    start = text.index("def _bias_like_x(")
     return text[start:text.index("def source_of(")].rstrip() + "\n"
