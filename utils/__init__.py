@@ -4,6 +4,8 @@
 - ``bench``   the one timing harness, verdicts with their noise, and the peaks measured on this machine
 - ``datasheets`` vendor peak rates, and which sheet describes this GPU
 - ``profile`` torch.profiler: a step's kernels, busy vs idle GPU time, top kernels, Perfetto traces
+- ``compile_cache`` cold and warm torch.compile caches: a fresh cache directory, graph-cache counts
+- ``extension`` building the C++/CUDA extensions of ``csrc/`` (imported by the operators that need it)
 - ``memory``  allocated / reserved / peak memory, snapshots
 - ``data``    MNIST (local → download → bundled sample), GPU-resident batches, synthetic data
 - ``models``  the small models the notebooks train
@@ -13,7 +15,7 @@
 - ``exercises`` the self-checks of the notebooks' exercises
 """
 
-from utils import bench, data, datasheets, env, exercises, memory, models, plot, profile, results, train
+from utils import bench, compile_cache, data, datasheets, env, exercises, memory, models, plot, profile, results, train
 
-__all__ = ["bench", "data", "datasheets", "env", "exercises", "memory", "models", "plot", "profile", "results",
-           "train"]
+__all__ = ["bench", "compile_cache", "data", "datasheets", "env", "exercises", "memory", "models", "plot", "profile",
+           "results", "train"]

@@ -1,0 +1,61 @@
+"""utils.compile_cache: cold blocks really compile from nothing, restore the environment, and count hits."""
+
+import os
+
+import pytest
+import torch
+
+from utils import compile_cache
+
+
+def test_graph_counts_subtract_and_read():
+    counts = compile_cache.GraphCounts(compiled=3, loaded=2) - compile_cache.GraphCounts(compiled=1, loaded=2)
+    assert counts == compile_cache.GraphCounts(2, 0)
+    assert str(counts) == "2 compiled, 0 from cache"
+
+
+def test_cold_points_both_caches_at_a_new_empty_directory_and_restores_them(monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    with compile_cache.cold() as cache:
+        assert cache.directory.is_dir() and not any(cache.directory.iterdir())
+        assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(cache.directory)
+        assert os.environ["TRITON_CACHE_DIR"].startswith(str(cache.directory))
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
+    assert "TRITON_CACHE_DIR" not in os.environ, "a variable that was unset must be unset again"
+    assert not cache.directory.exists(), "the directory is deleted unless keep=True"
+    with compile_cache.cold(keep=True, parent=tmp_path) as kept:
+        pass
+    assert kept.directory.is_dir() and kept.directory.parent == tmp_path
+
+
+def test_cold_restores_the_environment_after_an_error(monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    with pytest.raises(RuntimeError, match="inside"), compile_cache.cold():
+        raise RuntimeError("inside")
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path)
+
+
+def test_missing_parent_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"), compile_cache.cold(parent=tmp_path / "no"):
+        pass
+
+
+def test_cold_compiles_warm_reuses_and_a_new_cold_block_compiles_again():
+    """The behaviour that matters: inside one block a recompile after reset loads the graph from the block's
+    cache; a second block starts from nothing although this process compiled the same graph before."""
+
+    def fn(x):
+        return torch.sin(x) * 2 + 1
+
+    x = torch.randn(16)
+    with compile_cache.cold() as cache:
+        torch.compile(fn)(x)
+        assert cache.counts() == compile_cache.GraphCounts(1, 0)
+        assert cache.files(), "the compile wrote into the block's directory"
+        torch.compiler.reset()
+        torch.testing.assert_close(torch.compile(fn)(x), fn(x))
+        assert cache.status() == "1 compiled, 1 from cache"
+    with compile_cache.cold() as again:
+        torch.compile(fn)(x)
+        assert again.counts() == compile_cache.GraphCounts(1, 0), "a new cold block must not reuse the graph"
