@@ -74,12 +74,14 @@ ENTRY_POINTS = {
 OPERATORS = [name for name in ENTRY_POINTS if "course::" in name]
 
 
-@pytest.mark.parametrize("case", list(BAD))
-@pytest.mark.parametrize("entry", list(ENTRY_POINTS))
+# the operators accept a bias in another dtype and round it (tested below): "mixed dtypes" is bad only for the kernels
+BAD_CASES = [(entry, case) for entry in ENTRY_POINTS for case in BAD
+             if not (case == "mixed dtypes" and entry in OPERATORS)]
+
+
+@pytest.mark.parametrize(("entry", "case"), BAD_CASES)
 def test_bad_inputs_raise_clear_errors(entry, case):
     args, error, message = BAD[case]
-    if case == "mixed dtypes" and entry in OPERATORS:
-        pytest.skip("the operators accept a bias in another dtype (tested below)")
     if case == "x not a tensor" and entry in OPERATORS:  # the operator's schema rejects it before our checks
         error, message = RuntimeError, "Expected a value of type 'Tensor'"
     with pytest.raises(error, match=message):

@@ -5,6 +5,7 @@ import math
 import torch
 
 from utils import train
+from utils.exercises.mixed_precision import _clip_before_unscale  # the check knows this wrong answer by name
 
 
 def min_loss_scale(g):
@@ -30,26 +31,10 @@ def my_amp_step(model, optimizer, scaler, inputs, targets, max_norm=1.0):
     return loss.detach()
 
 
-def _clip_before_unscale(model, optimizer, scaler, inputs, targets, max_norm=1.0):
-    optimizer.zero_grad(set_to_none=True)
-    with torch.autocast(inputs.device.type, dtype=torch.float16):
-        loss = train.lm_loss(model(inputs), targets)
-    scaler.scale(loss).backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    scaler.step(optimizer)
-    scaler.update()
-    return loss.detach()
-
-
 def _no_update(model, optimizer, scaler, inputs, targets, max_norm=1.0):
-    optimizer.zero_grad(set_to_none=True)
-    with torch.autocast(inputs.device.type, dtype=torch.float16):
-        loss = train.lm_loss(model(inputs), targets)
-    scaler.scale(loss).backward()
-    scaler.unscale_(optimizer)
-    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    scaler.step(optimizer)
-    return loss.detach()
+    """The solution with scaler.update() forgotten."""
+    scaler.update = lambda *args, **kwargs: None
+    return my_amp_step(model, optimizer, scaler, inputs, targets, max_norm)
 
 
 CASES = {
