@@ -49,9 +49,19 @@ NOTEBOOKS: dict[str, tuple[str, str]] = {
         "what torch.compile fuses, what it costs, graph breaks, recompiles, when it does not help",
         "train step {compile_speedup_train_best:.2f}× (best mode), compile {compile_time_s_default:.0f} s",
     ),
+    "05_memory": (
+        "what fills GPU memory, how to see it (snapshots), and the techniques that fit 4× the batch",
+        "peak {peak_mem_gb_baseline:.1f} → {peak_mem_gb_combined:.1f} GB · in 16 GB: batch "
+        "{max_batch_16gb_baseline:.0f} → {max_batch_16gb_combined:.0f}",
+    ),
     "06_custom_kernels": (
         "one fused op in Triton and CUDA C++, registered with torch.library, vs the memory limit",
         "{fused_gbps_triton:,.0f} GB/s Triton · {speedup_vs_eager:.1f}× eager",
+    ),
+    "07_performance_playbook": (
+        "every tip of the performance guides checked on your GPU, and the profiler that says which to try",
+        "TF32 matmul {tf32_matmul_speedup:.1f}× · channels_last {channels_last_speedup_resnet50:.2f}× · "
+        "CUDA graphs {cuda_graphs_speedup:.1f}×",
     ),
 }
 
