@@ -7,7 +7,8 @@ inter-quartile range of the per-call time over at least ``min_blocks`` blocks. T
 launch overhead and host work count, as they do in a real loop.
 
 ``compare(baseline, candidate)`` turns two timings into a verdict that respects their noise: "1.29× faster",
-"slower: 0.85×", or "no difference beyond the noise". Notebooks print it instead of writing a verdict into prose.
+"slower: it takes 1.18× as long", or "no difference beyond the noise". Notebooks print it instead of writing a
+verdict into prose.
 
 ``first_call(fn)`` times one synchronised call instead, for the one-off costs that the warm-up keeps out of
 ``bench`` (a first call that compiles, builds or autotunes), to be reported next to the steady state.
@@ -281,7 +282,8 @@ class Comparison:
 
     @property
     def verdict(self) -> str:
-        """A phrase for a sentence, e.g. 'no difference beyond the noise (1.02×; the blocks overlap)'."""
+        """A phrase for a sentence, e.g. 'no difference beyond the noise (1.02×; the middle halves of their timings
+        overlap)'."""
         if self.outcome == "faster":
             return f"{_ratio(self.speedup)} faster"
         if self.outcome == "slower":
