@@ -9,13 +9,28 @@
 - ``memory``  allocated / reserved / peak memory, snapshots
 - ``data``    MNIST (local → download → bundled sample), GPU-resident batches, synthetic data
 - ``models``  the small models the notebooks train
+- ``gpt2``    a readable GPT-2 (124M) with a static KV cache; real weights from the hub when online
 - ``plot``    tables and the few chart shapes
 - ``results`` headline figures that the reference run collects
 - ``train``   the training steps the notebooks measure (autocast, GradScaler, clipping; a CUDA-graph step)
 - ``exercises`` the self-checks of the notebooks' exercises
 """
 
-from utils import bench, compile_cache, data, datasheets, env, exercises, memory, models, plot, profile, results, train
+from utils import (
+    bench,
+    compile_cache,
+    data,
+    datasheets,
+    env,
+    exercises,
+           gpt2,
+    memory,
+    models,
+    plot,
+    profile,
+    results,
+    train,
+)
 
-__all__ = ["bench", "compile_cache", "data", "datasheets", "env", "exercises", "memory", "models", "plot", "profile",
-           "results", "train"]
+__all__ = ["bench", "compile_cache", "data", "datasheets", "env", "exercises", "gpt2", "memory", "models", "plot",
+           "profile", "results", "train"]

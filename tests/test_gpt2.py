@@ -1,0 +1,133 @@
+"""utils.gpt2: the same logits and greedy tokens as Hugging Face's GPT-2 given the same weights; the caches agree
+with recomputation; loading checks its input; offline, a random model and a sentence saying so."""
+
+import pytest
+import torch
+
+from utils import gpt2
+
+transformers = pytest.importorskip("transformers", reason="the reference implementation (requirements.txt has it)")
+
+
+def hf_twin(config: gpt2.GPT2Config, seed: int = 0):
+    """A Hugging Face GPT2LMHeadModel of the same shape with random weights, and ours loaded from it."""
+    torch.manual_seed(seed)
+    hf_config = transformers.GPT2Config(vocab_size=config.vocab_size, n_positions=config.n_positions,
+                                        n_embd=config.n_embd, n_layer=config.n_layer, n_head=config.n_head,
+                                        layer_norm_epsilon=config.layer_norm_epsilon, bos_token_id=0,
+                                        eos_token_id=0, attn_implementation="eager")
+    hf = transformers.GPT2LMHeadModel(hf_config).eval()
+    ours = gpt2.GPT2(config).eval()
+    gpt2.load_hf_state_dict(ours, hf.state_dict())
+    return hf, ours
+
+
+def test_same_logits_and_greedy_tokens_as_transformers():
+    config = gpt2.GPT2Config.tiny()
+    hf, ours = hf_twin(config)
+    idx = torch.randint(0, config.vocab_size, (3, 21), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(idx), hf(idx).logits, rtol=1e-5, atol=1e-5)
+        expected = hf.generate(idx[:1], max_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert torch.equal(gpt2.generate_recompute(ours, idx[:1], 12), expected)
+
+
+def test_the_hubs_unprefixed_keys_load_too():
+    config = gpt2.GPT2Config.tiny()
+    hf, ours = hf_twin(config)
+    hub_style = {k.removeprefix("transformer."): v for k, v in hf.state_dict().items() if k != "lm_head.weight"}
+    hub_style["h.0.attn.bias"] = torch.ones(1)  # an old mask buffer: not a weight
+    again = gpt2.GPT2(config)
+    gpt2.load_hf_state_dict(again, hub_style)
+    for a, b in zip(again.state_dict().values(), ours.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("cache_kind", ["static", "dynamic"])
+def test_cached_generation_equals_recomputation(cache_kind):
+    config = gpt2.GPT2Config.tiny()
+    torch.manual_seed(0)
+    model = gpt2.GPT2(config).eval()
+    idx = torch.randint(0, config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(2))
+    cache = gpt2.StaticKVCache(config, batch=2, max_len=32) if cache_kind == "static" else gpt2.DynamicKVCache()
+    assert torch.equal(gpt2.generate_cached(model, idx, 15, cache), gpt2.generate_recompute(model, idx, 15))
+
+
+def test_static_cache_step_logits_match_the_full_forward():
+    config = gpt2.GPT2Config.tiny()
+    torch.manual_seed(0)
+    model = gpt2.GPT2(config).eval()
+    idx = torch.randint(0, config.vocab_size, (1, 10), generator=torch.Generator().manual_seed(3))
+    cache = gpt2.StaticKVCache(config, batch=1, max_len=16)
+    with torch.no_grad():
+        full = model(idx)
+        model(idx[:, :7], torch.arange(7), cache)
+        steps = [model(idx[:, p:p + 1], torch.tensor([p]), cache)[:, 0] for p in range(7, 10)]
+    torch.testing.assert_close(torch.stack(steps, dim=1), full[:, 7:], rtol=1e-5, atol=1e-5)
+
+
+def test_sampling_stays_on_the_device_and_respects_top_k():
+    logits = torch.tensor([[0.0, 5.0, 4.0, -1.0]])
+    assert gpt2.greedy_or_sample(logits).item() == 1
+    gen = torch.Generator().manual_seed(0)
+    draws = {gpt2.greedy_or_sample(logits, temperature=1.0, top_k=2, generator=gen).item() for _ in range(50)}
+    assert draws == {1, 2}
+
+
+def test_bad_inputs_are_clear_errors():
+    config = gpt2.GPT2Config.tiny()
+    model = gpt2.GPT2(config)
+    with pytest.raises(ValueError, match="int64"):
+        model(torch.zeros(1, 3))
+    with pytest.raises(ValueError, match="max_len"):
+        gpt2.StaticKVCache(config, batch=1, max_len=config.n_positions + 1)
+    with pytest.raises(ValueError, match="divisible"):
+        gpt2.GPT2Config(n_embd=10, n_head=3)
+    with pytest.raises(ValueError, match="missing"):
+        gpt2.load_hf_state_dict(model, {"wte.weight": torch.zeros(1)})
+    wrong_shape = {k: torch.zeros(1) for k in model.state_dict()}
+    with pytest.raises(ValueError, match="shapes do not fit"):
+        gpt2.load_hf_state_dict(model, wrong_shape)
+
+
+def test_offline_gives_a_random_model_and_says_so(monkeypatch):
+    import huggingface_hub
+
+    def no_network(*args, **kwargs):
+        raise OSError("no route to huggingface.co")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", no_network)
+    model, tokenizer, note = gpt2.from_pretrained()
+    assert tokenizer is None and "random weights" in note and "no route" in note
+    assert gpt2.count_parameters(model) == 124_439_808  # GPT-2 small, embedding tied to the head
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_decode_step_replayed_from_a_cuda_graph_gives_the_same_tokens():
+    """The static cache keeps every shape fixed, so one decode step can be captured once and replayed per token."""
+    config = gpt2.GPT2Config.tiny()
+    torch.manual_seed(0)
+    model = gpt2.GPT2(config).cuda().eval()
+    idx = torch.randint(0, config.vocab_size, (1, 6), device="cuda", generator=torch.Generator("cuda").manual_seed(4))
+    new_tokens = 10
+    expected = gpt2.generate_recompute(model, idx, new_tokens)
+    cache = gpt2.StaticKVCache(config, batch=1, max_len=32).cuda()
+    token, pos = torch.zeros(1, 1, dtype=torch.int64, device="cuda"), torch.zeros(1, dtype=torch.int64, device="cuda")
+    with torch.inference_mode():
+        token.copy_(model(idx, torch.arange(6, device="cuda"), cache)[:, -1].argmax(-1, keepdim=True))
+        pos.fill_(6)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up outside the capture writes position 6: rewritten on replay
+            model(token, pos, cache)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            next_token = model(token, pos, cache)[:, -1].argmax(-1, keepdim=True)
+        generated = [token.clone()]
+        for _ in range(new_tokens - 1):
+            graph.replay()
+            token.copy_(next_token)
+            pos.add_(1)
+            generated.append(token.clone())
+    assert torch.equal(torch.cat([idx, *generated], dim=1), expected)

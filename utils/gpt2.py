@@ -1,0 +1,275 @@
+"""A small, readable GPT-2 (124M) for inference: one screen per class, a static KV cache, and the real weights when
+the reader is online.
+
+- :class:`GPT2Config` — sizes as a dataclass; the defaults are GPT-2 small (124 M parameters).
+- :class:`GPT2` — token and position embeddings → ``n_layer`` pre-norm blocks (fused QKV attention through
+  ``scaled_dot_product_attention``, a GELU(tanh) MLP) → final norm → the tied vocabulary head. ``forward(idx,
+  input_pos, cache)``: without a cache, causal attention over the whole sequence; with a :class:`StaticKVCache`,
+  the new tokens' keys and values are written at ``input_pos`` and attention reads the cache, masked to the
+  positions written so far — shapes never change, so a decode step can be compiled and captured in a CUDA graph.
+- :class:`DynamicKVCache` — the cache most tutorials write: keys and values grow with ``torch.cat`` every token.
+- :func:`load_hf_state_dict` — the Hugging Face checkpoint's tensors into this model (Conv1D weights transposed).
+- :func:`from_pretrained` — the weights and tokenizer from the Hugging Face hub when online, else a random
+  initialisation and a sentence saying so.
+
+The layout follows Hugging Face's ``GPT2LMHeadModel`` exactly (same parameters, same arithmetic), so that loading
+its weights gives its logits; ``tests/test_gpt2.py`` checks that against ``transformers``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+HUB_NAME = "openai-community/gpt2"
+"""GPT-2 small on the Hugging Face hub."""
+
+
+@dataclass(frozen=True)
+class GPT2Config:
+    """GPT-2's sizes; the defaults are GPT-2 small (124 M parameters)."""
+
+    vocab_size: int = 50257
+    n_positions: int = 1024  # the longest sequence (context)
+    n_embd: int = 768
+    n_layer: int = 12
+    n_head: int = 12
+    layer_norm_epsilon: float = 1e-5
+
+    def __post_init__(self) -> None:
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @classmethod
+    def tiny(cls) -> GPT2Config:
+        """A GPT-2 of the same shape, small enough for a CPU test: 2 layers, width 64, vocabulary 512."""
+        return cls(vocab_size=512, n_positions=128, n_embd=64, n_layer=2, n_head=4)
+
+
+class StaticKVCache(nn.Module):
+    """Keys and values of every layer, preallocated for ``batch`` sequences of up to ``max_len`` tokens.
+
+    ``k[layer]`` and ``v[layer]`` are [batch, heads, max_len, head_dim]; a forward pass writes its tokens' keys
+    and values at their positions (``index_copy_``, no reallocation) and reads the whole buffer, masked to the
+    positions written so far. Register it with the model's device and dtype: ``StaticKVCache(...).to(device)``.
+    """
+
+    def __init__(self, config: GPT2Config, batch: int, max_len: int, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        if not 0 < max_len <= config.n_positions:
+            raise ValueError(f"max_len must be in 1..{config.n_positions} (the context), got {max_len}")
+        shape = (config.n_layer, batch, config.n_head, max_len, config.head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype), persistent=False)
+        self.max_len = max_len
+
+    def update(self, layer: int, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """Write k, v [B, H, T, D] at positions ``input_pos`` [T]; return the layer's whole cache."""
+        self.k[layer].index_copy_(2, input_pos, k.to(self.k.dtype))
+        self.v[layer].index_copy_(2, input_pos, v.to(self.v.dtype))
+        return self.k[layer], self.v[layer]
+
+    def mask(self, input_pos: torch.Tensor) -> torch.Tensor:
+        """Boolean [T, max_len]: query at position p attends to cache positions ≤ p (causal, written ones)."""
+        return torch.arange(self.max_len, device=input_pos.device)[None, :] <= input_pos[:, None]
+
+
+class DynamicKVCache:
+    """Keys and values that grow by concatenation: one new allocation per layer per token (the common way)."""
+
+    def __init__(self) -> None:
+        self.k: dict[int, torch.Tensor] = {}
+        self.v: dict[int, torch.Tensor] = {}
+
+    def update(self, layer: int, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        if layer in self.k:
+            k, v = torch.cat([self.k[layer], k], dim=2), torch.cat([self.v[layer], v], dim=2)
+        self.k[layer], self.v[layer] = k, v
+        return k, v
+
+    @staticmethod
+    def mask(input_pos: torch.Tensor) -> None:  # the cache holds exactly the positions so far: causal per query
+        return None
+
+
+class Attention(nn.Module):
+    def __init__(self, config: GPT2Config, layer: int) -> None:
+        super().__init__()
+        self.config, self.layer = config, layer
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)  # fused Q, K, V
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd)
+
+    def forward(self, x: torch.Tensor, input_pos: torch.Tensor, cache) -> torch.Tensor:
+        b, t, c = x.shape
+        h, d = self.config.n_head, self.config.head_dim
+        q, k, v = (z.view(b, t, h, d).transpose(1, 2) for z in self.c_attn(x).split(c, dim=2))
+        if cache is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            k, v = cache.update(self.layer, input_pos, k, v)
+            mask = cache.mask(input_pos)
+            if mask is None:  # a dynamic cache: causal within the new tokens, all earlier ones visible
+                mask = torch.ones(t, k.shape[2], dtype=torch.bool, device=x.device).tril(k.shape[2] - t)
+            y = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask)
+        return self.c_proj(y.transpose(1, 2).reshape(b, t, c))
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPT2Config, layer: int) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.attn = Attention(config, layer)
+        self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.mlp = nn.ModuleDict({"c_fc": nn.Linear(config.n_embd, 4 * config.n_embd),
+                                  "c_proj": nn.Linear(4 * config.n_embd, config.n_embd)})
+
+    def forward(self, x: torch.Tensor, input_pos: torch.Tensor, cache) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), input_pos, cache)
+        return x + self.mlp["c_proj"](F.gelu(self.mlp["c_fc"](self.ln_2(x)), approximate="tanh"))
+
+
+class GPT2(nn.Module):
+    """GPT-2: ``forward(idx [B, T] int64, input_pos [T] int64 | None, cache)`` → logits [B, T, vocab]."""
+
+    def __init__(self, config: GPT2Config | None = None) -> None:
+        super().__init__()
+        self.config = config = config or GPT2Config()
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.wpe = nn.Embedding(config.n_positions, config.n_embd)
+        self.h = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.apply(self._init)  # GPT-2's initialisation: N(0, 0.02), zero biases
+
+    @staticmethod
+    def _init(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(self, idx: torch.Tensor, input_pos: torch.Tensor | None = None, cache=None) -> torch.Tensor:
+        if idx.dtype != torch.int64 or idx.dim() != 2:
+            raise ValueError(f"idx must be int64 [batch, tokens], got {idx.dtype} {list(idx.shape)}")
+        if input_pos is None:
+            input_pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.wte(idx) + self.wpe(input_pos)
+        for block in self.h:
+            x = block(x, input_pos, cache)
+        return F.linear(self.ln_f(x), self.wte.weight)  # the head shares the token embedding (tied)
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+# ── Hugging Face weights ────────────────────────────────────────────────────────────────────────────────────
+
+_CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+
+
+def load_hf_state_dict(model: GPT2, state_dict: dict[str, torch.Tensor]) -> None:
+    """Copy a Hugging Face GPT-2 checkpoint into ``model`` (``GPT2LMHeadModel.state_dict()`` or the hub's file).
+
+    Hugging Face stores the four projection weights as ``Conv1D`` ([in, out]); ``nn.Linear`` wants [out, in], so
+    they are transposed. Keys with or without the ``transformer.`` prefix are accepted; ``lm_head.weight`` is the
+    tied token embedding and the old ``attn.bias`` / ``attn.masked_bias`` mask buffers are not weights.
+
+    Raises:
+        ValueError: naming the missing or unexpected tensors, or a shape that does not fit the config.
+    """
+    ours = model.state_dict()
+    mapped: dict[str, torch.Tensor] = {}
+    for key, tensor in state_dict.items():
+        key = key.removeprefix("transformer.")
+        if key == "lm_head.weight" or key.endswith((".attn.bias", ".attn.masked_bias")):
+            continue
+        if key.endswith(_CONV1D):
+            tensor = tensor.t()
+        mapped[key] = tensor
+    missing, unexpected = sorted(set(ours) - set(mapped)), sorted(set(mapped) - set(ours))
+    if missing or unexpected:
+        raise ValueError(f"not a GPT-2 checkpoint for this config: missing {missing[:5]}, unexpected "
+                         f"{unexpected[:5]}")
+    wrong = [f"{k}: {tuple(mapped[k].shape)} vs {tuple(ours[k].shape)}" for k in ours
+             if mapped[k].shape != ours[k].shape]
+    if wrong:
+        raise ValueError(f"checkpoint shapes do not fit {model.config}: {wrong[:3]}")
+    with torch.no_grad():
+        for key, tensor in ours.items():
+            tensor.copy_(mapped[key])
+
+
+def from_pretrained(name: str = HUB_NAME, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                    timeout_s: float = 10.0):
+    """GPT-2's real weights and tokenizer from the Hugging Face hub, or a random model offline.
+
+    Returns ``(model, tokenizer, note)``: ``tokenizer`` is a ``transformers`` tokenizer, or None offline (then work
+    with token ids); ``note`` is one sentence saying which you got and why. The download uses
+    ``huggingface_hub`` (cached in its usual place) with ``timeout_s`` for each request.
+    """
+    config = GPT2Config()
+    model = GPT2(config)
+    try:
+        os.environ.setdefault("HF_HUB_ETAG_TIMEOUT", str(timeout_s))
+        os.environ.setdefault("HF_HUB_DOWNLOAD_TIMEOUT", str(timeout_s))
+        from huggingface_hub import hf_hub_download
+        from safetensors.torch import load_file
+        from transformers import AutoTokenizer
+
+        load_hf_state_dict(model, load_file(hf_hub_download(name, "model.safetensors")))
+        tokenizer = AutoTokenizer.from_pretrained(name)
+        note = f"GPT-2 small's real weights and tokenizer from the Hugging Face hub ({name})"
+    except Exception as err:  # offline, no huggingface_hub/transformers, a proxy, a changed file: say which
+        tokenizer = None
+        first = (str(err).strip().splitlines() or [""])[0][:160]
+        note = (f"random weights (GPT-2 small's shape, its initialisation): the hub could not be reached or read "
+                f"({type(err).__name__}: {first}); text is token ids, and what it generates is noise")
+    return model.to(device=device, dtype=dtype).eval(), tokenizer, note
+
+
+# ── Generation ─────────────────────────────────────────────────────────────────────────────────────────────
+
+
+def greedy_or_sample(logits: torch.Tensor, *, temperature: float = 0.0, top_k: int | None = None,
+                     generator: torch.Generator | None = None) -> torch.Tensor:
+    """The next token [B, 1] from the last position's logits [B, V], on the device, with no host synchronisation:
+    argmax at temperature 0, else a sample from the top-k softmax (``torch.multinomial``)."""
+    if temperature <= 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator)
+
+
+@torch.inference_mode()
+def generate_recompute(model: GPT2, idx: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    """The loop most guides show: every token re-runs the model on the whole sequence so far (``torch.cat`` onto the
+    prompt), no cache. Greedy; returns the prompt and the new tokens."""
+    for _ in range(new_tokens):
+        next_token = model(idx)[:, -1].argmax(dim=-1, keepdim=True)
+        idx = torch.cat([idx, next_token], dim=1)
+    return idx
+
+
+@torch.inference_mode()
+def generate_cached(model: GPT2, idx: torch.Tensor, new_tokens: int, cache) -> torch.Tensor:
+    """Prefill the prompt into ``cache`` (a :class:`StaticKVCache` or :class:`DynamicKVCache`), then decode one
+    token at a time, each step attending to the cache. Greedy; returns the prompt and the new tokens."""
+    t = idx.shape[1]
+    positions = torch.arange(t + new_tokens, device=idx.device)
+    logits = model(idx, positions[:t], cache)
+    tokens = [logits[:, -1].argmax(dim=-1, keepdim=True)]
+    for i in range(new_tokens - 1):
+        logits = model(tokens[-1], positions[t + i:t + i + 1], cache)
+        tokens.append(logits[:, -1].argmax(dim=-1, keepdim=True))
+    return torch.cat([idx, *tokens], dim=1)
