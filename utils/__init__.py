@@ -23,7 +23,7 @@ from utils import (
     datasheets,
     env,
     exercises,
-           gpt2,
+    gpt2,
     memory,
     models,
     plot,
