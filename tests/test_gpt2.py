@@ -131,3 +131,38 @@ def test_a_decode_step_replayed_from_a_cuda_graph_gives_the_same_tokens():
             pos.add_(1)
             generated.append(token.clone())
     assert torch.equal(torch.cat([idx, *generated], dim=1), expected)
+
+
+def test_static_decoder_on_cpu_equals_recomputation():
+    config = gpt2.GPT2Config.tiny()
+    torch.manual_seed(0)
+    model = gpt2.GPT2(config).eval()
+    idx = torch.randint(0, config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(5))
+    decoder = gpt2.StaticDecoder(model, batch=2, max_len=40)
+    assert torch.equal(decoder.generate(idx, 12), gpt2.generate_recompute(model, idx, 12))
+    shorter = idx[:, :4]  # the same decoder serves another prompt length
+    assert torch.equal(decoder.generate(shorter, 5), gpt2.generate_recompute(model, shorter, 5))
+    with pytest.raises(ValueError, match="exceed max_len"):
+        decoder.generate(idx, 40)
+    with pytest.raises(ValueError, match="does not fit"):
+        decoder.prefill(idx[:1])
+
+
+def test_bytes_per_decode_step_counts_weights_and_cache():
+    config = gpt2.GPT2Config.tiny()
+    model = gpt2.GPT2(config)
+    weights = gpt2.count_parameters(model) * 4
+    assert gpt2.bytes_per_decode_step(model, 1, 0) == weights
+    assert gpt2.bytes_per_decode_step(model, 2, 10) == weights + 2 * config.n_layer * 2 * 10 * config.n_embd * 4
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("compile_step", [False, True])
+def test_static_decoder_graph_replays_equal_recomputation(compile_step):
+    config = gpt2.GPT2Config.tiny()
+    torch.manual_seed(0)
+    model = gpt2.GPT2(config).cuda().eval()
+    idx = torch.randint(0, config.vocab_size, (1, 5), device="cuda", generator=torch.Generator("cuda").manual_seed(6))
+    decoder = gpt2.StaticDecoder(model, batch=1, max_len=64, compile_step=compile_step)
+    assert torch.equal(decoder.generate(idx, 20), gpt2.generate_recompute(model, idx, 20))
+    assert decoder.graph is not None

@@ -273,3 +273,99 @@ def generate_cached(model: GPT2, idx: torch.Tensor, new_tokens: int, cache) -> t
         logits = model(tokens[-1], positions[t + i:t + i + 1], cache)
         tokens.append(logits[:, -1].argmax(dim=-1, keepdim=True))
     return torch.cat([idx, *tokens], dim=1)
+
+
+class StaticDecoder:
+    """Greedy decoding with a :class:`StaticKVCache` where one decode step is one call of ``step()`` — and, on a
+    GPU, one replay of a CUDA graph that holds the whole step: the model's forward for the last token, the argmax,
+    writing the token into the output buffer and advancing the position. The host only launches the replays; the
+    tokens stay on the GPU until the end (no synchronisation per token).
+
+    ``compile_step=True`` compiles the forward with ``torch.compile`` first (Inductor's fused kernels), then
+    captures those in the graph. On a CPU the same step runs eagerly in a loop (no graphs there).
+
+    Usage: ``decoder = StaticDecoder(model, batch=1, max_len=512)``; ``decoder.generate(idx, new_tokens)``.
+    The graph is captured on the first call (for this batch size; the prompt length may vary).
+    """
+
+    def __init__(self, model: GPT2, *, batch: int, max_len: int, compile_step: bool = False) -> None:
+        if max_len < 8:
+            raise ValueError(f"max_len must be at least 8 (room for a prompt and the capture's warm-up), got {max_len}")
+        param = next(model.parameters())
+        self.model, self.device, self.batch, self.max_len = model, param.device, batch, max_len
+        self.cache = StaticKVCache(model.config, batch, max_len, dtype=param.dtype).to(self.device)
+        self.token = torch.zeros(batch, 1, dtype=torch.int64, device=self.device)
+        self.pos = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self.out = torch.zeros(batch, max_len, dtype=torch.int64, device=self.device)
+        self.forward = torch.compile(model, fullgraph=True, dynamic=False) if compile_step else model
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+    def _step(self) -> None:
+        logits = self.forward(self.token, self.pos, self.cache)
+        next_token = logits[:, -1].argmax(dim=-1, keepdim=True)
+        self.out.index_copy_(1, self.pos + 1, next_token)
+        self.token.copy_(next_token)
+        self.pos.add_(1)
+
+    @torch.inference_mode()
+    def prefill(self, idx: torch.Tensor) -> None:
+        """Run the prompt through the model into the cache; the first new token goes to ``out``."""
+        b, t = idx.shape
+        if b != self.batch or t >= self.max_len:
+            raise ValueError(f"prompt {list(idx.shape)} does not fit this decoder (batch {self.batch}, "
+                             f"max_len {self.max_len})")
+        logits = self.model(idx, torch.arange(t, device=self.device), self.cache)
+        self.out[:, :t] = idx
+        self.out[:, t:t + 1] = logits[:, -1].argmax(dim=-1, keepdim=True)
+        self.token.copy_(self.out[:, t:t + 1])
+        self.pos.fill_(t)
+
+    @torch.inference_mode()
+    def _capture(self) -> None:
+        saved = (self.token.clone(), self.pos.clone(), self.out.clone())
+        # warm-up (and compilation) outside the capture, at the last positions of the cache: a later step that gets
+        # there writes its keys and values before it reads them, and the prompt's positions stay untouched
+        self.pos.fill_(self.max_len - 4)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                self._step()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        self.token.copy_(saved[0])
+        self.pos.copy_(saved[1])
+        self.out.copy_(saved[2])
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self._step()
+
+    @torch.inference_mode()
+    def decode(self, new_tokens: int) -> None:
+        """``new_tokens − 1`` more steps after the prefill's token (replays on a GPU); nothing is read back."""
+        if self.device.type == "cuda" and self.graph is None:
+            self._capture()
+        for _ in range(new_tokens - 1):
+            if self.graph is not None:
+                self.graph.replay()
+            else:
+                self._step()
+
+    def generate(self, idx: torch.Tensor, new_tokens: int) -> torch.Tensor:
+        """The prompt followed by ``new_tokens`` greedy tokens, [batch, prompt + new_tokens]."""
+        t = idx.shape[1]
+        if t + new_tokens > self.max_len:
+            raise ValueError(f"{t} + {new_tokens} tokens exceed max_len {self.max_len}")
+        self.prefill(idx)
+        self.decode(new_tokens)
+        return self.out[:, :t + new_tokens].clone()
+
+
+def bytes_per_decode_step(model: GPT2, batch: int, context: int) -> int:
+    """The fewest bytes one decode step must read from memory: every weight once (the token embedding twice: its
+    rows for the input, all of it as the tied head) plus the keys and values of ``context`` positions per sequence.
+    At batch 1 the weights dominate, which is why decoding is memory-bound: tokens/s ≤ bandwidth / this."""
+    config = model.config
+    itemsize = next(model.parameters()).element_size()
+    weights = count_parameters(model) * itemsize  # the head reads the whole (tied) embedding table
+    kv = 2 * config.n_layer * batch * context * config.n_embd * itemsize
+    return weights + kv
