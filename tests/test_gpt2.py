@@ -166,3 +166,20 @@ def test_static_decoder_graph_replays_equal_recomputation(compile_step):
     decoder = gpt2.StaticDecoder(model, batch=1, max_len=64, compile_step=compile_step)
     assert torch.equal(decoder.generate(idx, 20), gpt2.generate_recompute(model, idx, 20))
     assert decoder.graph is not None
+
+
+def test_reference_pair_offline_shares_weights():
+    ours, hf, tokenizer, note = gpt2.reference_pair(gpt2.GPT2Config.tiny(), online=False)
+    assert tokenizer is None and "random weights" in note
+    idx = torch.randint(0, 512, (1, 8))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(idx), hf(idx).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_rate_arithmetic():
+    model = gpt2.GPT2(gpt2.GPT2Config.tiny())
+    rate = gpt2.decode_rate("x", 0.5, model, batch=4, prompt=10, new_tokens=100, copy_gbps=1000.0)
+    assert rate.tokens_per_s == pytest.approx(800) and rate.ms_per_token == pytest.approx(5.0)
+    expected_gbps = gpt2.bytes_per_decode_step(model, 4, 60) * 200 / 1e9
+    assert rate.gbps == pytest.approx(expected_gbps) and rate.pct_copy == pytest.approx(expected_gbps / 10)
+    assert set(rate.row()) == {"variant", "tokens/s", "ms/token", "GB/s", "% of copy"}

@@ -58,6 +58,11 @@ NOTEBOOKS: dict[str, tuple[str, str]] = {
         "one fused op in Triton and CUDA C++, registered with torch.library, vs the memory limit",
         "{fused_gbps_triton:,.0f} GB/s Triton · {speedup_vs_eager:.1f}× eager",
     ),
+    "08_inference": (
+        "GPT-2 decoding from the guide's loop to a CUDA-graph step near the memory limit; HF generate; export",
+        "GPT-2 batch 1: {gpt2_tok_s_guide_loop:,.0f} → {gpt2_tok_s_best:,.0f} tokens/s "
+        "({gpt2_best_pct_copy_bandwidth:.0f}% of copy bandwidth)",
+    ),
     "07_performance_playbook": (
         "every tip of the performance guides checked on your GPU, and the profiler that says which to try",
         "TF32 matmul {tf32_matmul_speedup:.1f}× · channels_last {channels_last_speedup_resnet50:.2f}× · "

@@ -369,3 +369,70 @@ def bytes_per_decode_step(model: GPT2, batch: int, context: int) -> int:
     weights = count_parameters(model) * itemsize  # the head reads the whole (tied) embedding table
     kv = 2 * config.n_layer * batch * context * config.n_embd * itemsize
     return weights + kv
+
+
+# ── Shared by notebooks 08 and 09: the model pair, and a decode measurement ─────────────────────────────────
+
+
+def reference_pair(config: GPT2Config | None = None, *, online: bool = True, seed: int = 0):
+    """Hugging Face's ``GPT2LMHeadModel`` and this module's :class:`GPT2` with the *same* weights, on the CPU in fp32.
+
+    With ``online`` and the default config, the real GPT-2 small weights and tokenizer come from the hub (its
+    files are cached by ``huggingface_hub``); otherwise — offline, or any other config — the Hugging Face model is
+    initialised randomly from ``seed``. Returns ``(ours, hf, tokenizer or None, note)``.
+    """
+    import transformers
+
+    config = config or GPT2Config()
+    special = {} if config.vocab_size > 50256 else {"bos_token_id": 0, "eos_token_id": 0}  # GPT-2's ids: 50256
+    hf_config = transformers.GPT2Config(vocab_size=config.vocab_size, n_positions=config.n_positions,
+                                        n_embd=config.n_embd, n_layer=config.n_layer, n_head=config.n_head,
+                                        layer_norm_epsilon=config.layer_norm_epsilon, **special)
+    hf = tokenizer = None
+    note = f"random weights (seed {seed}) in GPT-2's shape: offline, or a small configuration"
+    if online and config == GPT2Config():
+        try:
+            os.environ.setdefault("HF_HUB_ETAG_TIMEOUT", "10")
+            os.environ.setdefault("HF_HUB_DOWNLOAD_TIMEOUT", "10")
+            hf = transformers.GPT2LMHeadModel.from_pretrained(HUB_NAME)
+            tokenizer = transformers.AutoTokenizer.from_pretrained(HUB_NAME)
+            note = f"GPT-2 small's real weights and tokenizer from the Hugging Face hub ({HUB_NAME})"
+        except Exception as err:  # offline, a proxy, a changed file: say which, and carry on with random weights
+            first = (str(err).strip().splitlines() or [""])[0][:140]
+            note = (f"random weights (seed {seed}) in GPT-2 small's shape: the hub could not be reached "
+                    f"({type(err).__name__}: {first}); text is token ids, and what it generates is noise")
+    if hf is None:
+        torch.manual_seed(seed)
+        hf = transformers.GPT2LMHeadModel(hf_config)
+    ours = GPT2(config)
+    load_hf_state_dict(ours, hf.state_dict())
+    return ours.eval(), hf.eval(), tokenizer, note
+
+
+@dataclass(frozen=True)
+class DecodeRate:
+    """What one generation measured: tokens per second over all sequences, time per step, and bytes moved."""
+
+    label: str
+    tokens_per_s: float
+    ms_per_token: float  # per decode step: one new token for every sequence of the batch
+    gbps: float  # the fewest bytes a step must read (bytes_per_decode_step) × steps per second
+    pct_copy: float | None  # gbps as a % of the copy bandwidth measured in the same run
+
+    def row(self) -> dict[str, object]:
+        return {"variant": self.label, "tokens/s": f"{self.tokens_per_s:,.0f}", "ms/token": f"{self.ms_per_token:.3g}",
+                "GB/s": f"{self.gbps:,.0f}", "% of copy": f"{self.pct_copy:.0f}%" if self.pct_copy else "—"}
+
+
+def decode_rate(label: str, seconds: float, model: GPT2, *, batch: int, prompt: int, new_tokens: int,
+                copy_gbps: float | None = None) -> DecodeRate:
+    """Turn the time of generating ``new_tokens`` after a ``prompt``-token prompt into a :class:`DecodeRate`.
+
+    ``seconds`` should cover the decode steps only (the prefill timed apart); bytes per step are counted at the
+    average context, ``prompt + new_tokens / 2``.
+    """
+    steps_per_s = new_tokens / seconds
+    bytes_per_step = bytes_per_decode_step(model, batch, prompt + new_tokens // 2)
+    gbps = bytes_per_step * steps_per_s / 1e9
+    return DecodeRate(label, batch * steps_per_s, 1e3 / steps_per_s, gbps,
+                      100 * gbps / copy_gbps if copy_gbps else None)
