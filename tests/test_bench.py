@@ -22,9 +22,14 @@ def test_bench_runs_warmup_before_timing():
 
 
 def test_bench_orders_fast_and_slow_work():
-    small, large = torch.randn(64, 64), torch.randn(512, 512)
-    fast = bench.bench(lambda: small @ small, device="cpu", min_run_time=0.05)
-    slow = bench.bench(lambda: large @ large, device="cpu", min_run_time=0.05)
+    small, large = torch.randn(64, 64), torch.randn(512, 512)  # 512× the work
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one thread: on a busy 2-core machine, OpenMP's waits would blur the two apart
+    try:
+        fast = bench.bench(lambda: small @ small, device="cpu", min_run_time=0.05)
+        slow = bench.bench(lambda: large @ large, device="cpu", min_run_time=0.05)
+    finally:
+        torch.set_num_threads(threads)
     assert slow.median_s > 5 * fast.median_s
 
 

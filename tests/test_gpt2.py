@@ -1,6 +1,8 @@
 """utils.gpt2: the same logits and greedy tokens as Hugging Face's GPT-2 given the same weights; the caches agree
 with recomputation; loading checks its input; offline, a random model and a sentence saying so."""
 
+import os
+
 import pytest
 import torch
 
@@ -97,8 +99,12 @@ def test_offline_gives_a_random_model_and_says_so(monkeypatch):
         raise OSError("no route to huggingface.co")
 
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", no_network)
-    model, tokenizer, note = gpt2.from_pretrained()
+    for name in ("HF_HUB_ETAG_TIMEOUT", "HF_HUB_DOWNLOAD_TIMEOUT"):
+        monkeypatch.delenv(name, raising=False)  # restored afterwards: notebooks run in child processes inherit them
+    model, tokenizer, note = gpt2.from_pretrained(timeout_s=2.5)
     assert tokenizer is None and "random weights" in note and "no route" in note
+    # huggingface_hub parses its timeouts with int(): "2.5" would break every later import of it in this process
+    assert os.environ["HF_HUB_ETAG_TIMEOUT"] == os.environ["HF_HUB_DOWNLOAD_TIMEOUT"] == "3"
     assert gpt2.count_parameters(model) == 124_439_808  # GPT-2 small, embedding tied to the head
 
 

@@ -18,6 +18,7 @@ its weights gives its logits; ``tests/test_gpt2.py`` checks that against ``trans
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -207,6 +208,13 @@ def load_hf_state_dict(model: GPT2, state_dict: dict[str, torch.Tensor]) -> None
             tensor.copy_(mapped[key])
 
 
+def _hub_timeouts(timeout_s: float) -> None:
+    """Per-request timeouts for huggingface_hub, unless the user set them: whole seconds, as the hub parses them
+    with int() (a "10.0" breaks every later import of huggingface_hub in this process and its children)."""
+    os.environ.setdefault("HF_HUB_ETAG_TIMEOUT", str(max(1, math.ceil(timeout_s))))
+    os.environ.setdefault("HF_HUB_DOWNLOAD_TIMEOUT", str(max(1, math.ceil(timeout_s))))
+
+
 def from_pretrained(name: str = HUB_NAME, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                     timeout_s: float = 10.0):
     """GPT-2's real weights and tokenizer from the Hugging Face hub, or a random model offline.
@@ -218,8 +226,7 @@ def from_pretrained(name: str = HUB_NAME, *, device: torch.device | str = "cpu",
     config = GPT2Config()
     model = GPT2(config)
     try:
-        os.environ.setdefault("HF_HUB_ETAG_TIMEOUT", str(timeout_s))
-        os.environ.setdefault("HF_HUB_DOWNLOAD_TIMEOUT", str(timeout_s))
+        _hub_timeouts(timeout_s)
         from huggingface_hub import hf_hub_download
         from safetensors.torch import load_file
         from transformers import AutoTokenizer
@@ -392,8 +399,7 @@ def reference_pair(config: GPT2Config | None = None, *, online: bool = True, see
     note = f"random weights (seed {seed}) in GPT-2's shape: offline, or a small configuration"
     if online and config == GPT2Config():
         try:
-            os.environ.setdefault("HF_HUB_ETAG_TIMEOUT", "10")
-            os.environ.setdefault("HF_HUB_DOWNLOAD_TIMEOUT", "10")
+            _hub_timeouts(10)
             hf = transformers.GPT2LMHeadModel.from_pretrained(HUB_NAME)
             tokenizer = transformers.AutoTokenizer.from_pretrained(HUB_NAME)
             note = f"GPT-2 small's real weights and tokenizer from the Hugging Face hub ({HUB_NAME})"
