@@ -9,8 +9,10 @@
 - ``memory``  allocated / reserved / peak memory, snapshots
 - ``data``    MNIST (local → download → bundled sample), GPU-resident batches, synthetic data
 - ``models``  the small models the notebooks train
+- ``number_formats`` how fp32, TF32, fp16, bf16 and fp8 store a value: rounding, overflow, underflow
 - ``gpt2``    a readable GPT-2 (124M) with a static KV cache; real weights from the hub when online
 - ``plot``    tables and the few chart shapes
+- ``explore`` controls (ipywidgets) for "a function of a few parameters → a table or plot", with a static result
 - ``results`` headline figures that the reference run collects
 - ``train``   the training steps the notebooks measure (autocast, GradScaler, clipping; a CUDA-graph step)
 - ``exercises`` the self-checks of the notebooks' exercises
@@ -23,14 +25,16 @@ from utils import (
     datasheets,
     env,
     exercises,
+    explore,
     gpt2,
     memory,
     models,
+    number_formats,
     plot,
     profile,
     results,
     train,
 )
 
-__all__ = ["bench", "compile_cache", "data", "datasheets", "env", "exercises", "gpt2", "memory", "models", "plot",
-           "profile", "results", "train"]
+__all__ = ["bench", "compile_cache", "data", "datasheets", "env", "exercises", "explore", "gpt2", "memory", "models",
+           "number_formats", "plot", "profile", "results", "train"]

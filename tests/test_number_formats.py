@@ -1,0 +1,68 @@
+"""utils.number_formats: values whose storage is known independently (by hand from the bit layouts, or IEEE's
+limits) come out as expected, with the right outcome per format."""
+
+import math
+
+import pytest
+import torch
+
+from utils import number_formats as nf
+
+
+def by_format(value):
+    return {s.format.name: s for s in nf.stored_values(value)}
+
+
+def test_formats_and_their_bits():
+    names = [f.name for f in nf.FORMATS]
+    assert names[:4] == ["float32", "tf32", "float16", "bfloat16"]
+    assert {f.name: f.bits for f in nf.FORMATS[:4]} == {"float32": 32, "tf32": 19, "float16": 16, "bfloat16": 16}
+    if hasattr(torch, "float8_e4m3fn"):
+        assert {f.name: f.bits for f in nf.FORMATS if f.name.startswith("float8")} == {"float8_e4m3fn": 8,
+                                                                                       "float8_e5m2": 8}
+
+
+def test_one_tenth_rounds_within_each_formats_unit_roundoff():
+    stored = by_format(0.1)
+    # 0.1 = 1.10011001100110011…₂ × 2⁻⁴: ten mantissa bits keep 1.1001100110₂, so TF32 and fp16 agree exactly
+    assert stored["tf32"].value == stored["float16"].value == 0.0999755859375
+    assert stored["bfloat16"].value == 0.10009765625  # 1.1001101₂ × 2⁻⁴ (rounded up)
+    for s in stored.values():
+        assert s.outcome == "rounded" and 0 < s.relative_error <= 2.0 ** -(s.format.mantissa_bits + 1)
+
+
+def test_overflow_underflow_and_subnormals():
+    big, tiny, small = by_format(70_000.0), by_format(1e-8), by_format(1e-5)
+    assert big["float16"].outcome == "overflow to inf" and math.isinf(big["float16"].value)  # fp16's max: 65,504
+    assert big["bfloat16"].value == 70_144 and big["bfloat16"].outcome == "rounded"  # steps of 2⁹ at 2¹⁶
+    assert big["float32"].outcome == "exact" and big["tf32"].value == 70_016  # steps of 2⁶ with 10 bits
+    assert tiny["float16"].outcome == "underflow to 0" and tiny["bfloat16"].outcome == "rounded"
+    assert small["float16"].outcome.startswith("subnormal")  # below fp16's smallest normal, 6.1e-5
+    assert small["bfloat16"].outcome == "rounded"  # bf16 has fp32's range
+    fp32_max = torch.finfo(torch.float32).max
+    assert by_format(fp32_max)["tf32"].outcome == "overflow to inf"  # 23 ones round up past the top exponent
+
+
+@pytest.mark.skipif(not hasattr(torch, "float8_e4m3fn"), reason="this torch has no fp8 types")
+def test_fp8_beyond_its_range():
+    stored = by_format(500.0)  # e4m3fn: largest 448, steps of 32 above 256; no infinity
+    assert stored["float8_e4m3fn"].outcome.startswith("overflow") and stored["float8_e5m2"].value == 512
+    assert by_format(448.0)["float8_e4m3fn"].outcome == "exact"
+
+
+def test_exact_values_and_signs():
+    for value in (0.0, 1.0, -2.5, 0.375):
+        for s in nf.stored_values(value):
+            assert s.outcome == "exact" and s.value == value and s.relative_error == 0
+
+
+def test_rows_for_a_table():
+    rows = nf.stored_as(70_000.0)
+    assert [r["format"] for r in rows] == [f.name for f in nf.FORMATS]
+    assert rows[2]["relative error"] == "—" and rows[2]["what happened"] == "overflow to inf"
+
+
+@pytest.mark.parametrize("bad", [math.inf, -math.inf, math.nan, "0.1", True, None])
+def test_bad_values_are_refused_with_the_reason(bad):
+    with pytest.raises(ValueError, match="finite number|a number is needed"):
+        nf.stored_as(bad)

@@ -1,0 +1,118 @@
+"""How the floating-point formats of deep learning store one value: what is kept, the rounding error, and whether it
+overflows or underflows — for fp32, TF32, fp16, bf16 and (where the installed torch has them) the two fp8 formats.
+
+    utils.plot.table(utils.number_formats.stored_as(70_000.0))
+
+Every format but TF32 is a real cast (``torch.tensor(value, dtype=float64).to(dtype)``, round to nearest even, as
+the GPU's conversions do); TF32 is not a storage type — the tensor cores read fp32 inputs with 10 of their 23
+mantissa bits — so it is emulated by rounding the fp32 value's mantissa (:func:`utils.playbook.round_mantissa`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["FORMATS", "Format", "Stored", "stored_as", "stored_values"]
+
+
+@dataclass(frozen=True)
+class Format:
+    name: str
+    dtype: torch.dtype  # TF32: float32, with the mantissa rounded to 10 bits
+    exponent_bits: int
+    mantissa_bits: int
+
+    @property
+    def bits(self) -> int:
+        return 1 + self.exponent_bits + self.mantissa_bits
+
+
+def _formats() -> tuple[Format, ...]:
+    formats = [Format("float32", torch.float32, 8, 23),
+               Format("tf32", torch.float32, 8, 10),
+               Format("float16", torch.float16, 5, 10),
+               Format("bfloat16", torch.bfloat16, 8, 7)]
+    if hasattr(torch, "float8_e4m3fn"):
+        formats.append(Format("float8_e4m3fn", torch.float8_e4m3fn, 4, 3))  # no infinity
+    if hasattr(torch, "float8_e5m2"):
+        formats.append(Format("float8_e5m2", torch.float8_e5m2, 5, 2))
+    return tuple(formats)
+
+
+FORMATS: tuple[Format, ...] = _formats()
+
+
+@dataclass(frozen=True)
+class Stored:
+    """One format's copy of a value."""
+
+    format: Format
+    value: float  # what the format holds, read back as a Python float
+    relative_error: float  # |stored − value| / |value| (0 for value 0; inf after overflow or underflow)
+    outcome: str  # exact, rounded, subnormal: ..., underflow to 0, overflow to inf / NaN / clamped to the largest
+
+    def row(self) -> dict[str, str]:
+        fmt, info = self.format, torch.finfo(self.format.dtype)
+        return {"format": fmt.name, "bits (s·e·m)": f"1·{fmt.exponent_bits}·{fmt.mantissa_bits}",
+                "stored as": f"{self.value:.9g}",
+                "relative error": "—" if not math.isfinite(self.relative_error) else f"{self.relative_error:.1e}",
+                "what happened": self.outcome, "largest": f"{_largest(fmt, info):.4g}",
+                "smallest normal": f"{info.smallest_normal:.3g}"}
+
+
+def _largest(fmt: Format, info: torch.finfo) -> float:
+    if fmt.name == "tf32":  # fp32's exponent, 10 mantissa bits
+        return (2 - 2.0 ** -10) * 2.0 ** 127
+    return float(info.max)
+
+
+def _store(value: float, fmt: Format) -> float:
+    x = torch.tensor(value, dtype=torch.float64).to(fmt.dtype)
+    if fmt.name == "tf32" and x.isfinite():
+        from utils.playbook import round_mantissa
+
+        x = round_mantissa(x, fmt.mantissa_bits)
+    return x.to(torch.float64).item()
+
+
+def _outcome(value: float, stored: float, fmt: Format) -> tuple[str, float]:
+    if math.isnan(stored):
+        return "overflow to NaN", math.inf
+    if math.isinf(stored):
+        return "overflow to inf", math.inf
+    if value != 0 and stored == 0:
+        return "underflow to 0", math.inf
+    error = 0.0 if value == 0 else abs(stored - value) / abs(value)
+    largest = _largest(fmt, torch.finfo(fmt.dtype))
+    if abs(stored) == largest and error > 2.0 ** -(fmt.mantissa_bits + 1):  # beyond rounding: a saturating cast
+        return "overflow: clamped to the largest", error
+    if stored != 0 and abs(stored) < torch.finfo(fmt.dtype).smallest_normal:
+        return "subnormal: fewer significant bits", error
+    return ("exact" if error == 0 else "rounded"), error
+
+
+def stored_as(value: float, formats: tuple[Format, ...] = FORMATS) -> list[dict[str, str]]:
+    """One table row per format: how it stores ``value`` (see :class:`Stored`). Rows for :func:`utils.plot.table`.
+
+    Raises:
+        ValueError: for a value that is not a finite number (there is nothing to round).
+    """
+    return [s.row() for s in stored_values(value, formats)]
+
+
+def stored_values(value: float, formats: tuple[Format, ...] = FORMATS) -> list[Stored]:
+    """The :class:`Stored` copies of ``value`` in each format (what :func:`stored_as` tabulates)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"a number is needed, got {value!r}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"type a finite number: {value} is already the format's special value, nothing to round")
+    out = []
+    for fmt in formats:
+        stored = _store(value, fmt)
+        outcome, error = _outcome(value, stored, fmt)
+        out.append(Stored(fmt, stored, error, outcome))
+    return out
