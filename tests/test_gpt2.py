@@ -55,6 +55,25 @@ def test_cached_generation_equals_recomputation(cache_kind):
     assert torch.equal(gpt2.generate_cached(model, idx, 15, cache), gpt2.generate_recompute(model, idx, 15))
 
 
+def test_sampled_generation_is_reproducible_and_top_1_is_greedy():
+    config = gpt2.GPT2Config.tiny()
+    torch.manual_seed(0)
+    model = gpt2.GPT2(config).eval()
+    idx = torch.randint(0, config.vocab_size, (1, 5), generator=torch.Generator().manual_seed(3))
+
+    def sample(seed, **options):
+        cache = gpt2.StaticKVCache(config, batch=1, max_len=32)
+        return gpt2.generate_cached(model, idx, 20, cache, generator=torch.Generator().manual_seed(seed), **options)
+
+    greedy = gpt2.generate_cached(model, idx, 20, gpt2.DynamicKVCache())
+    assert torch.equal(sample(0, temperature=1.5, top_k=1), greedy)  # one candidate left: the argmax
+    hot = sample(0, temperature=2.0)
+    assert torch.equal(hot, sample(0, temperature=2.0)) and not torch.equal(hot, greedy)
+    assert not torch.equal(hot, sample(1, temperature=2.0))
+    with pytest.raises(ValueError, match="new_tokens must be at least 1"):
+        gpt2.generate_cached(model, idx, 0, gpt2.DynamicKVCache())
+
+
 def test_static_cache_step_logits_match_the_full_forward():
     config = gpt2.GPT2Config.tiny()
     torch.manual_seed(0)

@@ -269,16 +269,23 @@ def generate_recompute(model: GPT2, idx: torch.Tensor, new_tokens: int) -> torch
 
 
 @torch.inference_mode()
-def generate_cached(model: GPT2, idx: torch.Tensor, new_tokens: int, cache) -> torch.Tensor:
+def generate_cached(model: GPT2, idx: torch.Tensor, new_tokens: int, cache, *, temperature: float = 0.0,
+                    top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
     """Prefill the prompt into ``cache`` (a :class:`StaticKVCache` or :class:`DynamicKVCache`), then decode one
-    token at a time, each step attending to the cache. Greedy; returns the prompt and the new tokens."""
+    token at a time, each step attending to the cache. Greedy by default; with a ``temperature`` above 0, each
+    token is sampled (:func:`greedy_or_sample`, reproducible with a seeded ``generator`` on the model's device).
+    Returns the prompt and the new tokens."""
+    if new_tokens < 1:
+        raise ValueError(f"new_tokens must be at least 1, got {new_tokens}")
+
+    def pick(logits: torch.Tensor) -> torch.Tensor:
+        return greedy_or_sample(logits[:, -1], temperature=temperature, top_k=top_k, generator=generator)
+
     t = idx.shape[1]
     positions = torch.arange(t + new_tokens, device=idx.device)
-    logits = model(idx, positions[:t], cache)
-    tokens = [logits[:, -1].argmax(dim=-1, keepdim=True)]
+    tokens = [pick(model(idx, positions[:t], cache))]
     for i in range(new_tokens - 1):
-        logits = model(tokens[-1], positions[t + i:t + i + 1], cache)
-        tokens.append(logits[:, -1].argmax(dim=-1, keepdim=True))
+        tokens.append(pick(model(tokens[-1], positions[t + i:t + i + 1], cache)))
     return torch.cat([idx, *tokens], dim=1)
 
 
