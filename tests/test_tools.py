@@ -55,7 +55,8 @@ def test_reference_run_executes_stamps_and_collects(tmp_path, capsys):
     nb = nbformat.read(path, as_version=4)
     stamp = nb.metadata["reference_run"]
     assert stamp["sources_sha256"] == course.sources_sha256(nb)
-    assert stamp["gpu"] == "cpu" and set(stamp) == {"sources_sha256", "gpu", "torch", "cuda", "date"}
+    assert stamp["gpu"] == "cpu" and stamp["gpus"] == "0"
+    assert set(stamp) == {"sources_sha256", "gpu", "gpus", "torch", "cuda", "date"}
     assert course.has_outputs(nb)
     figures = json.loads((results_dir / "cpu.json").read_text())
     assert figures == {"99_test": {"answer_gbps": {"value": 42.5, "unit": "GB/s"},

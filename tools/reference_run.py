@@ -6,7 +6,7 @@
 For each notebook, in reading order: execute it with nbclient (working directory notebooks/, like nbmake and
 JupyterLab), and only if every cell succeeded write it back in place with the stamp
 
-    metadata.reference_run = {"sources_sha256", "gpu", "torch", "cuda", "date"}
+    metadata.reference_run = {"sources_sha256", "gpu", "gpus", "torch", "cuda", "date"}
 
 where ``sources_sha256`` hashes every cell's type and source (``tools.course.sources_sha256``), so a test can
 tell when the outputs no longer belong to the sources. Every figure the notebook passed to
@@ -54,7 +54,9 @@ def machine_stamp(allow_cpu: bool) -> tuple[dict[str, str], str]:
     else:
         raise SystemExit("reference_run: no CUDA GPU visible. Reference runs are GPU runs; "
                          "pass --allow-cpu to stamp a CPU run anyway.")
-    stamp = {"gpu": gpu, "torch": torch.__version__, "cuda": torch.version.cuda or "none",
+    # "gpus": how many this run could use (notebook 10 spreads over all of them; the others use the first)
+    stamp = {"gpu": gpu, "gpus": str(torch.cuda.device_count() if torch.cuda.is_available() else 0),
+             "torch": torch.__version__, "cuda": torch.version.cuda or "none",
              "date": dt.datetime.now(dt.UTC).date().isoformat()}
     return stamp, slug
 
