@@ -267,8 +267,11 @@ class Explorer:
         import ipywidgets as widgets
         from IPython.display import display
 
-        hint = ("Change a value, then press a button: the result appears below." if self.buttons else
-                "Change a value: the result below follows it.")
+        if self.button_label is not None:
+            hint = f"Change a value, then press {self.button_label}: the result appears below."
+        else:
+            hint = "Change a value: the result below follows it." + (
+                " The buttons run more with the same values." if self.buttons else "")
         rows = [widgets.HTML(f"<i>{hint}</i>"), *self.controls.values()]
         if self.buttons:
             rows.append(widgets.HBox(list(self.buttons.values())))

@@ -783,12 +783,22 @@ def plot_stacked_memory(bars: dict[str, dict[str, int]], *, title: str,
 # Out of memory: catch it, release, carry on; the largest batch that fits
 
 
+#: What the message of a RuntimeError that means "out of memory" contains, besides torch.OutOfMemoryError: the CPU
+#: allocator's refusal, a CUDA call that failed for memory outside PyTorch's allocator (``CUDA error: out of
+#: memory``, e.g. loading a kernel's code on first use when the allocator has taken the whole GPU), and cuBLAS
+#: failing to allocate its own memory.
+_OUT_OF_MEMORY_MESSAGES = ("can't allocate memory", "CUDA error: out of memory", "CUBLAS_STATUS_ALLOC_FAILED")
+
+
 def is_out_of_memory(err: BaseException) -> bool:
-    """True for ``torch.OutOfMemoryError`` (a GPU's allocator) and for the CPU allocator's
-    "can't allocate memory" RuntimeError (a request the operating system refused)."""
+    """True for ``torch.OutOfMemoryError`` (PyTorch's CUDA allocator could not serve a request) and for the
+    RuntimeErrors that mean the same from elsewhere: the CPU allocator's "can't allocate memory" (a request the
+    operating system refused), ``CUDA error: out of memory`` (a CUDA call, such as loading a kernel's code on its
+    first use, found no memory left outside the allocator: recoverable, unlike most CUDA errors) and cuBLAS's
+    ``CUBLAS_STATUS_ALLOC_FAILED``."""
     if isinstance(err, torch.OutOfMemoryError):
         return True
-    return isinstance(err, RuntimeError) and "can't allocate memory" in str(err)
+    return isinstance(err, RuntimeError) and any(m in str(err) for m in _OUT_OF_MEMORY_MESSAGES)
 
 
 @dataclass(frozen=True)
@@ -926,7 +936,7 @@ def largest_batch(fits: Callable[[int], bool], *, start: int = 1, limit: int = 1
 MATMUL_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "_scaled_mm"})
 
 
-def _op_name(op: Any) -> str:
+def op_name(op: Any) -> str:
     """'aten.addmm.default' for an OpOverload, 'aten.addmm' for an OpOverloadPacket, else str()."""
     name = getattr(op, "_name", None) or str(op)  # OpOverloadPacket._name: 'aten::addmm'
     overload = getattr(op, "_overloadname", None)
@@ -991,14 +1001,18 @@ class ActivationCheckpointing:
 
     Counting: ``saved`` holds the operators whose outputs the policy kept during forward; ``recomputed`` the
     operators backward ran again, seen by an :class:`OpCounter` placed under the selective-checkpointing cache, so
-    an output served from the cache is not counted. ``reset()`` clears both.
+    an output served from the cache is not counted. ``reset()`` clears both. The counter is a Python dispatch mode
+    that every recomputed operator passes through, which costs host time: set ``counting = False`` (or pass
+    ``counting=False``) before timing steps, so that the time measured is checkpointing's own.
     """
 
-    def __init__(self, modules: Iterable[torch.nn.Module], *, save: Iterable[Any] | None = None) -> None:
+    def __init__(self, modules: Iterable[torch.nn.Module], *, save: Iterable[Any] | None = None,
+                 counting: bool = True) -> None:
         self.modules = list(modules)
         if not self.modules:
             raise ValueError("ActivationCheckpointing needs at least one module")
         self.save = None if save is None else list(save)
+        self.counting = counting
         self.saved: Counter = Counter()
         self.recomputed: Counter = Counter()
         self._patched: list[torch.nn.Module] = []
@@ -1022,11 +1036,13 @@ class ActivationCheckpointing:
     def _contexts(self):
         from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-        counter = OpCounter()
         if self.selective:
             forward_ctx, recompute_ctx = create_selective_checkpoint_contexts(self._policy)
         else:
             forward_ctx, recompute_ctx = nullcontext(), nullcontext()
+        if not self.counting:
+            return forward_ctx, recompute_ctx
+        counter = OpCounter()
 
         @contextmanager
         def recompute():
@@ -1071,7 +1087,7 @@ class ActivationCheckpointing:
         """Names in ``save`` that matched no operator during the forward passes since the last ``reset()``."""
         if not self.selective:
             return []
-        return [_op_name(op) for op in self.save if self.saved[op] == 0]  # type: ignore[union-attr]
+        return [op_name(op) for op in self.save if self.saved[op] == 0]  # type: ignore[union-attr]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1285,11 +1301,11 @@ def expandable_segments_enabled(snapshot: dict[str, Any]) -> bool | None:
 #: The environment variables that configure PyTorch's CUDA caching allocator, and which releases read them
 #: (from PyTorch's source and issue tracker; the notebook measures what the installed version does).
 ALLOC_CONF_VARS = {
-    "PYTORCH_CUDA_ALLOC_CONF": "read by every release with a CUDA caching allocator; from 2.9 on a deprecated "
-                               "alias of PYTORCH_ALLOC_CONF (it warns)",
-    "PYTORCH_ALLOC_CONF": "the device-generic name, read from 2.9 on; in 2.9.x its expandable_segments option "
-                          "did not reach the CUDA allocator (pytorch/pytorch#183387, reported on 2.9.1; "
-                          "honoured in 2.11)",
+    "PYTORCH_CUDA_ALLOC_CONF": "the original name, read by every release that has these options; from 2.9 on "
+                               "a deprecated alias of PYTORCH_ALLOC_CONF that still works and warns once",
+    "PYTORCH_ALLOC_CONF": "the device-generic name, read from 2.9 on; in 2.9 its "
+                          "expandable_segments option did not reach the CUDA allocator, without a warning "
+                          "(pytorch/pytorch#183387, reported on 2.9.1; honoured by 2.11)",
 }
 
 MiB = 2**20
