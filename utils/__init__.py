@@ -6,7 +6,12 @@
 - ``profile`` torch.profiler: a step's kernels, busy vs idle GPU time, top kernels, Perfetto traces
 - ``compile_cache`` cold and warm torch.compile caches: a fresh cache directory, graph-cache counts
 - ``extension`` building the C++/CUDA extensions of ``csrc/`` (imported by the operators that need it)
-- ``memory``  allocated / reserved / peak memory, snapshots
+- ``memory``  allocated / reserved / peak memory, a block's peak, what autograd keeps for backward, byte formatting
+- ``memory_snapshot`` CUDA memory snapshots: recorded allocations, the timeline, who holds the peak
+- ``memory_calculator`` a training step's memory predicted from sizes (optimizer state, activations)
+- ``checkpointing`` activation checkpointing, full or selective, with what backward recomputes counted
+- ``out_of_memory`` out-of-memory errors caught and released; the largest batch that fits
+- ``allocator`` the CUDA caching allocator: fragmentation, and which setting it really uses
 - ``data``    MNIST (local → download → bundled sample), GPU-resident batches, synthetic data
 - ``models``  the small models the notebooks train
 - ``number_formats`` how fp32, TF32, fp16, bf16 and fp8 store a value: rounding, overflow, underflow
@@ -15,26 +20,36 @@
 - ``explore`` controls (ipywidgets) for "a function of a few parameters → a table or plot", with a static result
 - ``results`` headline figures that the reference run collects
 - ``train``   the training steps the notebooks measure (autocast, GradScaler, clipping; a CUDA-graph step)
+- ``playbook`` the performance tips of notebook 07: findings and their table, the profiler's diagnosis
+- ``distributed`` torchrun launches streamed into a notebook, process groups (NCCL / gloo), collective timing
 - ``exercises`` the self-checks of the notebooks' exercises
 """
 
 from utils import (
+    allocator,
     bench,
+    checkpointing,
     compile_cache,
     data,
     datasheets,
+    distributed,
     env,
     exercises,
     explore,
     gpt2,
     memory,
+    memory_calculator,
+    memory_snapshot,
     models,
     number_formats,
+    out_of_memory,
+    playbook,
     plot,
     profile,
     results,
     train,
 )
 
-__all__ = ["bench", "compile_cache", "data", "datasheets", "env", "exercises", "explore", "gpt2", "memory", "models",
-           "number_formats", "plot", "profile", "results", "train"]
+__all__ = ["allocator", "bench", "checkpointing", "compile_cache", "data", "datasheets", "distributed", "env",
+           "exercises", "explore", "gpt2", "memory", "memory_calculator", "memory_snapshot", "models",
+           "number_formats", "out_of_memory", "playbook", "plot", "profile", "results", "train"]

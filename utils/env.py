@@ -232,7 +232,7 @@ def _mark(flag: bool) -> str:
 
 def report(device: torch.device | str | None = None) -> str:
     """A few lines on versions, the device and its capabilities: what every notebook prints first."""
-    from utils.memory import format_bytes  # local import: memory imports nothing from env, keep it so
+    from utils.memory import format_bytes  # local import: utils.memory imports from env (no cycle at load)
 
     device = get_device(device)
     caps = capabilities(device)

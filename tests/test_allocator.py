@@ -1,0 +1,83 @@
+"""utils.allocator: the fragmentation demo and the allocator probe, which runs it in a child process with one
+setting. The child process is checked on CPU against a stand-in for subprocess.run; the allocator itself only by
+the tests marked ``cuda`` when a GPU is present.
+"""
+
+import importlib
+import json
+import os
+import re
+import subprocess
+
+import pytest
+import torch
+
+from utils import allocator, memory_snapshot
+
+MiB = 2**20
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def test_fragmentation_demo_and_probe_need_cuda():
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU message")
+    with pytest.raises(RuntimeError, match="CUDA"):
+        allocator.fragmentation_demo("cpu")
+    assert set(allocator.ALLOC_CONF_VARS) == {"PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"}
+
+
+def test_allocator_probe_runs_its_child_with_one_setting(monkeypatch):
+    # The child's command is a string: check that it imports a module that has the child's entry point, and that
+    # the child gets the one variable asked for and none of the others, imports this checkout's utils, and that
+    # its JSON line and its warnings about the variable are read back.
+    row = {"stage": "one tensor of 288 MiB", "allocated": 288 * MiB, "reserved": 288 * MiB}
+    seen = {}
+
+    def fake_run(args, **kwargs):
+        seen.update(kwargs, args=args)
+        out = json.dumps({"torch": "9.9", "expandable_segments": True, "rows": [row]})
+        return subprocess.CompletedProcess(args, 0, stdout=f"noise\n{out}\n",
+                                           stderr="UserWarning: PYTORCH_CUDA_ALLOC_CONF is deprecated\nother\n")
+
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:False")
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    probe = allocator.allocator_probe("PYTORCH_CUDA_ALLOC_CONF", timeout_s=5)
+    assert probe == allocator.ProbeResult("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True", "9.9", True, [row],
+                                          ["UserWarning: PYTORCH_CUDA_ALLOC_CONF is deprecated"])
+    assert probe.reserved_after("one tensor") == 288 * MiB
+    env = seen["env"]
+    assert env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True" and "PYTORCH_ALLOC_CONF" not in env
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == seen["cwd"] and seen["timeout"] == 5
+    code = seen["args"][-1]
+    module = re.search(r"import ([\w.]+) as m\b", code)
+    assert module and "m._allocator_probe_main()" in code, code
+    assert callable(importlib.import_module(module.group(1))._allocator_probe_main)
+
+    monkeypatch.setattr(subprocess, "run", lambda args, **kwargs: subprocess.CompletedProcess(
+        args, 1, stdout="", stderr="Traceback ...\nRuntimeError: Found no NVIDIA driver on your system.\n"))
+    with pytest.raises(RuntimeError, match="(?s)failed \\(exit 1\\): .*no NVIDIA driver"):
+        allocator.allocator_probe(None)
+
+
+# --- on a real GPU --------------------------------------------------------------------------------
+
+
+@cuda
+def test_cuda_fragmentation_demo_and_the_allocator_probe():
+    rows = allocator.fragmentation_demo("cuda")
+    assert [r["stage"] for r in rows] == ["start", "10 tensors of 48 MiB", "all of them freed",
+                                          "one tensor of 288 MiB", "empty_cache()"]
+    assert rows[0]["allocated"] == rows[0]["reserved"] == 0
+    assert rows[1]["allocated"] == 480 * MiB and rows[2]["allocated"] == 0 and rows[3]["allocated"] == 288 * MiB
+    assert rows[2]["reserved"] >= 480 * MiB, "freed blocks stay cached"
+    if not memory_snapshot.expandable_segments_enabled(torch.cuda.memory._snapshot()):
+        assert rows[3]["reserved"] >= 768 * MiB, "ten separate 48 MiB segments cannot hold one 288 MiB tensor"
+    assert rows[4]["reserved"] < rows[3]["reserved"]
+    default = allocator.allocator_probe(None)
+    assert default.expandable_segments is False
+    assert default.reserved_after("one tensor") >= 768 * MiB
+    old = allocator.allocator_probe("PYTORCH_CUDA_ALLOC_CONF")
+    assert old.expandable_segments is True  # the old name works in every release
+    assert old.reserved_after("one tensor") < default.reserved_after("one tensor")
+    new = allocator.allocator_probe("PYTORCH_ALLOC_CONF")
+    assert new.expandable_segments in (True, False) and new.torch_version == torch.__version__

@@ -1,0 +1,175 @@
+"""Activation checkpointing, full or selective, with what backward recomputes counted.
+
+:class:`ActivationCheckpointing` runs chosen modules under ``torch.utils.checkpoint.checkpoint(...,
+use_reentrant=False)`` for the length of a ``with`` block, optionally keeping the outputs of named operators
+(selective checkpointing), and counts what the forward pass kept and what backward ran again.
+:class:`OpCounter` counts the ATen operators that run inside a block, as PyTorch dispatches them — the names a
+selective policy must use (:func:`op_name`, :func:`is_matmul`, :data:`MATMUL_OPS`).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+from contextlib import contextmanager, nullcontext
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+#: ATen matrix multiplies: the ops a "keep the matmuls" selective-checkpointing policy names.
+MATMUL_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "_scaled_mm"})
+
+
+def op_name(op: Any) -> str:
+    """'aten.addmm.default' for an OpOverload, 'aten.addmm' for an OpOverloadPacket, else str()."""
+    name = getattr(op, "_name", None) or str(op)  # OpOverloadPacket._name: 'aten::addmm'
+    overload = getattr(op, "_overloadname", None)
+    name = name.replace("::", ".")
+    return f"{name}.{overload}" if overload and not name.endswith(f".{overload}") else name
+
+
+def _is_view(op: Any) -> bool:
+    return bool(getattr(op, "is_view", False))
+
+
+def is_matmul(op: Any) -> bool:
+    """True for an ATen matrix multiply (an overload of one of :data:`MATMUL_OPS`)."""
+    packet = getattr(op, "overloadpacket", op)
+    return getattr(packet, "__name__", "").split(".")[-1] in MATMUL_OPS
+
+
+class OpCounter(TorchDispatchMode):
+    """Count the ATen operators that run inside a ``with`` block, by overload (``aten.addmm.default``)::
+
+        with utils.checkpointing.OpCounter() as ops:
+            model(x)
+        ops.matmuls()   # {aten.addmm.default: 7, aten.mm.default: 2}
+
+    A ``TorchDispatchMode``: it sees the operators as PyTorch dispatches them, after composite ones such as
+    ``linear`` have been decomposed — which is what a selective-checkpointing policy sees too.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[func] += 1
+        return func(*args, **(kwargs or {}))
+
+    def matmuls(self) -> dict[Any, int]:
+        return {op: n for op, n in self.counts.items() if is_matmul(op)}
+
+    def compute_ops(self) -> Counter:
+        """The counts without view and aliasing operators (views, detach, ...), which move no data."""
+        return Counter({op: n for op, n in self.counts.items() if not _is_view(op)})
+
+
+class ActivationCheckpointing:
+    """Run ``modules`` under ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`` inside a ``with``
+    block, optionally selective, and count what backward recomputes::
+
+        ac = ActivationCheckpointing(model.encoder.layers, save=[torch.ops.aten.addmm.default])
+        with ac:
+            loss = step()
+        ac.recomputed_matmuls()   # 0: the policy kept them
+        ac.unmatched()            # named ops that never ran: a policy that matches nothing recomputes everything
+
+    Each module's ``forward`` is replaced, for the block only, by a checkpointed call of the original: the module,
+    its weights and its ``state_dict`` stay as they are. Without ``save`` every activation inside each module is
+    recomputed in backward (full checkpointing); with ``save`` (ATen overloads, e.g. ``torch.ops.aten.mm.default``)
+    the outputs of those operators are kept and the rest recomputed (selective checkpointing,
+    ``torch.utils.checkpoint.create_selective_checkpoint_contexts``). A policy receives the overload
+    (``aten.mm.default``); a name that never matches — the packet ``torch.ops.aten.mm``, or ``aten.linear.default``,
+    which is decomposed before dispatch — silently saves nothing: :meth:`unmatched` lists such names.
+
+    Counting: ``saved`` holds the operators whose outputs the policy kept during forward; ``recomputed`` the
+    operators backward ran again, seen by an :class:`OpCounter` placed under the selective-checkpointing cache, so
+    an output served from the cache is not counted. ``reset()`` clears both. The counter is a Python dispatch mode
+    that every recomputed operator passes through, which costs host time: set ``counting = False`` (or pass
+    ``counting=False``) before timing steps, so that the time measured is checkpointing's own.
+    """
+
+    def __init__(self, modules: Iterable[torch.nn.Module], *, save: Iterable[Any] | None = None,
+                 counting: bool = True) -> None:
+        self.modules = list(modules)
+        if not self.modules:
+            raise ValueError("ActivationCheckpointing needs at least one module")
+        self.save = None if save is None else list(save)
+        self.counting = counting
+        self.saved: Counter = Counter()
+        self.recomputed: Counter = Counter()
+        self._patched: list[torch.nn.Module] = []
+
+    @property
+    def selective(self) -> bool:
+        return self.save is not None
+
+    def reset(self) -> None:
+        self.saved.clear()
+        self.recomputed.clear()
+
+    def _policy(self, ctx, op, *args, **kwargs):
+        from torch.utils.checkpoint import CheckpointPolicy
+
+        keep = op in self.save  # type: ignore[operator]
+        if keep and not getattr(ctx, "is_recompute", False):
+            self.saved[op] += 1
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    def _contexts(self):
+        from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+        if self.selective:
+            forward_ctx, recompute_ctx = create_selective_checkpoint_contexts(self._policy)
+        else:
+            forward_ctx, recompute_ctx = nullcontext(), nullcontext()
+        if not self.counting:
+            return forward_ctx, recompute_ctx
+        counter = OpCounter()
+
+        @contextmanager
+        def recompute():
+            try:  # the counter first, then the cache on top of it: cached outputs never reach the counter
+                with counter, recompute_ctx:
+                    yield
+            finally:  # checkpoint stops a recomputation early by raising through this block
+                self.recomputed.update(counter.counts)
+
+        return forward_ctx, recompute()
+
+    def __enter__(self) -> ActivationCheckpointing:
+        from torch.utils.checkpoint import checkpoint
+
+        for module in self.modules:
+            if "forward" in module.__dict__:
+                raise RuntimeError(f"{type(module).__name__}.forward is already replaced (nested checkpointing?)")
+            original = module.forward
+
+            def forward(*args, _original=original, **kwargs):
+                if not torch.is_grad_enabled():  # nothing to save for backward: plain forward
+                    return _original(*args, **kwargs)
+                return checkpoint(_original, *args, use_reentrant=False, context_fn=self._contexts, **kwargs)
+
+            module.forward = forward
+            self._patched.append(module)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for module in self._patched:
+            del module.forward  # the class's forward again
+        self._patched.clear()
+
+    def recomputed_matmuls(self) -> int:
+        return sum(n for op, n in self.recomputed.items() if is_matmul(op))
+
+    def recomputed_compute_ops(self) -> int:
+        """Recomputed operators other than views (which move no data)."""
+        return sum(n for op, n in self.recomputed.items() if not _is_view(op))
+
+    def unmatched(self) -> list[str]:
+        """Names in ``save`` that matched no operator during the forward passes since the last ``reset()``."""
+        if not self.selective:
+            return []
+        return [op_name(op) for op in self.save if self.saved[op] == 0]  # type: ignore[union-attr]

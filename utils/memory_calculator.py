@@ -1,0 +1,289 @@
+"""A training step's memory predicted from sizes, before anything is allocated: the optimizer's state
+(:func:`optimizer_state_bytes`, :data:`OPTIMIZER_STATE`), the activations of the course's Transformer
+(:func:`transformer_activations`), and weights, gradients and the peak they add up to (:func:`predict_training_memory`
+→ :class:`MemoryPrediction`), drawn as stacked bars beside what was measured (:func:`plot_stacked_memory`).
+
+It is arithmetic on sizes and runs anywhere; the notebook puts every prediction against what the allocator
+measured (``utils.memory.track_peak``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from utils.memory import format_bytes
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+#: What each optimizer :func:`optimizer_state_bytes` knows keeps, per parameter.
+OPTIMIZER_STATE = {
+    "sgd": "nothing (plain SGD)",
+    "sgd_momentum": "one momentum buffer per value",
+    "adam": "two moment estimates per value (exp_avg, exp_avg_sq)",
+    "adamw": "two moment estimates per value (exp_avg, exp_avg_sq)",
+    "adafactor": "a factored second moment: one value per row and per column of a matrix, one per value of a "
+                 "vector; no momentum",
+}
+_STATE_VALUES_PER_VALUE = {"sgd": 0, "sgd_momentum": 1, "adam": 2, "adamw": 2}
+
+#: Parameters as :func:`optimizer_state_bytes` and :func:`predict_training_memory` take them: a model, tensors or
+#: shapes, or just their number (not enough for Adafactor, whose state depends on the shapes).
+Params = int | torch.nn.Module | Iterable[torch.Tensor | Sequence[int]]
+
+
+def _param_shapes(params: Params) -> list[tuple[int, ...]] | None:
+    """The shapes of trainable parameters, or None when only their number was given."""
+    if isinstance(params, (bool, float)):
+        raise TypeError(f"params must be a model, tensors, shapes or a number of values, got {params!r}")
+    if isinstance(params, int):
+        if params < 0:
+            raise ValueError(f"a number of parameters cannot be negative, got {params}")
+        return None
+    if isinstance(params, torch.nn.Module):
+        params = [p for p in params.parameters() if p.requires_grad]
+    return [tuple(p.shape) if isinstance(p, torch.Tensor) else tuple(int(d) for d in p) for p in params]
+
+
+def _param_count(params: Params) -> int:
+    shapes = _param_shapes(params)
+    return params if shapes is None else sum(math.prod(s) for s in shapes)  # type: ignore[return-value]
+
+
+def optimizer_state_bytes(params: Params, optimizer: str = "adamw", *, bytes_per_value: int = 4) -> int:
+    """Bytes of optimizer state for ``params`` (see :data:`OPTIMIZER_STATE`), at ``bytes_per_value`` per value.
+
+    The state has the parameters' dtype (4 bytes for fp32). Step counters (one scalar per parameter tensor) are
+    left out. ``adafactor`` needs the shapes (a model, tensors or shapes): for a matrix of r rows and c columns it
+    keeps r + c values (``torch.optim.Adafactor``'s ``row_var`` and ``col_var``), for a vector one per value.
+
+    Raises:
+        ValueError: for an optimizer not in :data:`OPTIMIZER_STATE`, or ``adafactor`` given only a count.
+    """
+    if optimizer not in OPTIMIZER_STATE:
+        raise ValueError(f"unknown optimizer {optimizer!r}: choose one of {sorted(OPTIMIZER_STATE)}")
+    if optimizer != "adafactor":
+        return _STATE_VALUES_PER_VALUE[optimizer] * _param_count(params) * bytes_per_value
+    shapes = _param_shapes(params)
+    if shapes is None:
+        raise ValueError("adafactor's state depends on the parameters' shapes: pass the model, its parameters or "
+                         "their shapes, not a count")
+    values = 0
+    for shape in shapes:
+        if len(shape) >= 2:  # row_var: shape with the last dim 1; col_var: shape with the second-to-last dim 1
+            values += math.prod(shape[:-1]) + math.prod(shape[:-2]) * shape[-1]
+        else:
+            values += math.prod(shape)
+    return values * bytes_per_value
+
+
+@dataclass(frozen=True)
+class ActivationEstimate:
+    """What a forward pass keeps for backward (``saved``) and the short-lived buffers at the peak
+    (``transient``), in bytes, each by what holds it. Build it with :func:`transformer_activations`."""
+
+    saved: dict[str, int]
+    transient: dict[str, int]
+
+    @property
+    def saved_bytes(self) -> int:
+        return sum(self.saved.values())
+
+    @property
+    def transient_bytes(self) -> int:
+        """The largest of the transient buffers: they live at different moments, so only one counts at the peak."""
+        return max(self.transient.values(), default=0)
+
+
+def transformer_activations(
+    config: Any,
+    batch: int,
+    seq: int,
+    *,
+    amp: bool = False,
+    checkpointing: str = "none",
+    chunked_loss: bool = False,
+    chunk_tokens: int = 2048,
+    device_type: str = "cuda",
+) -> ActivationEstimate:
+    """Estimate the activation memory of one training step of ``utils.models.TransformerModel``.
+
+    ``config`` is a ``TransformerConfig`` (anything with ``vocab_size``, ``d_model``, ``nhead``, ``num_layers``,
+    ``dim_feedforward`` and ``dropout``). N = batch × seq tokens, D = d_model, F = dim_feedforward; matmul inputs
+    and outputs take s = 4 bytes per value, 2 under 16-bit autocast (``amp=True``); the residual stream and the
+    layer norms' inputs stay fp32 either way. Each post-norm ``TransformerEncoderLayer`` keeps, per token:
+
+    * the in-projection's input, the attention's q, k, v and output (which is the out-projection's input), and
+      the first linear layer's input: 6·D·s; the ReLU's output (the second linear layer's input): F·s;
+    * the two layer norms' fp32 inputs, 8·D, and their mean and inverse deviation, 16; the attention's
+      log-sum-exp, 4 per head.
+
+    With dropout (``config.dropout > 0``) add its masks (one byte per value on a GPU: 2·D + F) and the second
+    linear layer's separate input (F·s). This matches, to the byte, what autograd keeps with FlashAttention-style
+    attention (FlashAttention, cuDNN, CPU flash); the memory-efficient kernel in fp32 keeps one more N·D copy per
+    layer, and the math fallback (old GPUs, CPU with dropout) keeps the [seq × seq] attention matrix as well.
+
+    ``checkpointing="full"`` (each layer under ``torch.utils.checkpoint``) keeps only each layer's fp32 input;
+    backward recomputes one layer at a time (a transient of one layer's activations). ``"selective"`` keeps the
+    layer inputs and the outputs of its four matmuls, 5·D·s + F·s per token, and recomputes the rest. Under
+    autocast without checkpointing, the 16-bit copies of the matmul weights are kept too.
+
+    The loss: the plain one keeps the fp32 log-probabilities, N·V·4 bytes (plus the 16-bit logits under CUDA
+    autocast), and its backward briefly adds the fp32 gradients of log-probabilities and logits, N·V·8 (N·V·4
+    under autocast); the chunked one (``utils.train.chunked_lm_loss``) keeps the gradients it computed in the
+    forward pass, of the features (N·D·4) and of the head (V·D·4), and holds one chunk's logits at a time.
+
+    Raises:
+        ValueError: for a checkpointing mode other than "none", "full" or "selective", or non-positive sizes.
+    """
+    if checkpointing not in ("none", "full", "selective"):
+        raise ValueError(f"checkpointing must be 'none', 'full' or 'selective', got {checkpointing!r}")
+    if batch <= 0 or seq <= 0 or chunk_tokens <= 0:
+        raise ValueError(f"batch, seq and chunk_tokens must be positive, got {batch}, {seq}, {chunk_tokens}")
+    n, d, f, h = batch * seq, config.d_model, config.dim_feedforward, config.nhead
+    v, layers, s = config.vocab_size, config.num_layers, 2 if amp else 4
+    per_layer = n * (s * (6 * d + f) + 8 * d + 16 + 4 * h)
+    if config.dropout > 0:
+        per_layer += n * (s * f + 2 * d + f)
+    layer_input = n * d * 4
+    matmul_outputs = n * s * (5 * d + f)
+    matmul_weights = layers * (4 * d * d + 2 * d * f)
+
+    saved: dict[str, int] = {"embedding (token ids)": n * 8}
+    transient: dict[str, int] = {}
+    if checkpointing == "none":
+        saved["layers"] = layers * per_layer
+        if amp:
+            saved["16-bit weight copies (autocast)"] = matmul_weights * 2
+    else:
+        kept = layer_input + (matmul_outputs if checkpointing == "selective" else 0)
+        saved["layers (checkpointed)"] = layers * kept
+        transient["one layer recomputed in backward"] = per_layer
+    if chunked_loss:
+        saved["chunked loss: gradients of features and head"] = n * d * 4 + (v * d + v) * 4
+        chunk = min(chunk_tokens, n)
+        transient["chunked loss: one chunk's logits"] = chunk * v * (2 * s + 4) + (v * d * s if amp else 0)
+    else:
+        saved["head input"] = n * d * s
+        saved["loss: log-probabilities"] = n * v * 4 + (n * v * s if amp and device_type == "cuda" else 0) + n * 8
+        if amp:
+            saved["16-bit weight copies (autocast)"] = saved.get("16-bit weight copies (autocast)", 0) + v * d * 2
+        transient["loss backward: gradients of log-probabilities and logits"] = n * v * (4 if amp else 8)
+    return ActivationEstimate(saved, transient)
+
+
+@dataclass(frozen=True)
+class MemoryPrediction:
+    """A training step's memory predicted from sizes, in bytes. Build it with :func:`predict_training_memory`.
+
+    The parts do not all live at once: with ``zero_grad(set_to_none=True)`` the gradients appear during backward
+    while the activations are freed, so :attr:`peak` (what the step needs at its worst moment) is below
+    :attr:`sum_of_parts`.
+    """
+
+    weights: int
+    gradients: int
+    optimizer_state: int
+    activations: int
+    transient: int
+    gradients_live_in_forward: bool = False  # zero_grad(set_to_none=False) keeps them allocated
+
+    @property
+    def parts(self) -> dict[str, int]:
+        return {"weights": self.weights, "gradients": self.gradients, "optimizer state": self.optimizer_state,
+                "activations": self.activations, "transient at the peak": self.transient}
+
+    @property
+    def static(self) -> int:
+        """Weights, gradients and optimizer state: what stays between steps."""
+        return self.weights + self.gradients + self.optimizer_state
+
+    @property
+    def sum_of_parts(self) -> int:
+        return sum(self.parts.values())
+
+    @property
+    def peak(self) -> int:
+        """The larger of: the end of the forward pass and the start of backward (weights, optimizer state,
+        activations, the transient buffers, and the gradients only if they are kept through forward); the end of
+        backward (weights, optimizer state and all gradients)."""
+        forward = self.weights + self.optimizer_state + self.activations + self.transient
+        if self.gradients_live_in_forward:
+            forward += self.gradients
+        return max(forward, self.static)
+
+    def __str__(self) -> str:
+        lines = [f"{name:22} {format_bytes(nbytes):>12}" for name, nbytes in self.parts.items()]
+        lines.append(f"{'predicted peak':22} {format_bytes(self.peak):>12} (sum of the parts "
+                     f"{format_bytes(self.sum_of_parts)})")
+        return "\n".join(lines)
+
+
+def predict_training_memory(
+    params: Params,
+    *,
+    optimizer: str = "adamw",
+    bytes_per_value: int = 4,
+    activations: ActivationEstimate | int = 0,
+    transient: int = 0,
+    set_to_none: bool = True,
+) -> MemoryPrediction:
+    """Predict a training step's memory from the parameters, the optimizer and an activation estimate.
+
+    Weights and gradients take ``bytes_per_value`` per parameter value (4: fp32; autocast keeps both fp32), the
+    optimizer's state as :func:`optimizer_state_bytes` says; ``activations`` is a byte count or an
+    :class:`ActivationEstimate` (whose transient buffers are added to ``transient``). ``set_to_none=False``
+    (``zero_grad`` writing zeros) keeps the gradients allocated through the forward pass.
+
+    The calculator behind the notebook's stacked bars: ``predict_training_memory(model, optimizer="adamw",
+    activations=transformer_activations(config, 32, 256)).peak``.
+    """
+    if isinstance(activations, ActivationEstimate):
+        transient += activations.transient_bytes
+        activations = activations.saved_bytes
+    if activations < 0 or transient < 0 or bytes_per_value <= 0:
+        raise ValueError("activations and transient must be >= 0 and bytes_per_value > 0")
+    values = _param_count(params)
+    return MemoryPrediction(weights=values * bytes_per_value, gradients=values * bytes_per_value,
+                            optimizer_state=optimizer_state_bytes(params, optimizer, bytes_per_value=bytes_per_value),
+                            activations=int(activations), transient=int(transient),
+                            gradients_live_in_forward=not set_to_none)
+
+
+def plot_stacked_memory(bars: dict[str, dict[str, int]], *, title: str,
+                        peaks: dict[str, int] | None = None) -> Figure:
+    """One stacked bar per entry of ``bars`` (bar label → {part: bytes}); a part has the same colour in every
+    bar, and a part missing from a bar counts as 0. ``peaks`` (bar label → bytes) draws each bar's peak as a
+    black line across it: the parts of a training step do not all live at once, so the peak can lie below the
+    top of the stack. Returns a closed Figure."""
+    import matplotlib.pyplot as plt
+
+    parts = list(dict.fromkeys(part for stack in bars.values() for part in stack))
+    totals = [sum(max(0, v) for v in stack.values()) for stack in bars.values()]
+    top = max([*totals, *(peaks or {}).values(), 1])
+    unit, scale = ("GiB", 2**30) if top >= 2**30 else ("MiB", 2**20)
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    labels = list(bars)
+    bottoms = [0.0] * len(labels)
+    for i, part in enumerate(parts):
+        heights = [max(0, bars[label].get(part, 0)) / scale for label in labels]
+        ax.bar(labels, heights, bottom=bottoms, color=plt.get_cmap("tab10")(i % 10), label=part, width=0.55)
+        bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
+    for i, label in enumerate(labels):
+        if peaks and label in peaks:
+            ax.hlines(peaks[label] / scale, i - 0.36, i + 0.36, color="black", linewidth=2.2)
+            ax.annotate(f"peak {format_bytes(peaks[label])}", (i + 0.38, peaks[label] / scale), va="center",
+                        fontsize=8)
+    ax.set_ylabel(f"memory ({unit})")
+    ax.set_title(title)
+    ax.grid(axis="y", alpha=0.3)
+    ax.set_xlim(-0.6, len(labels) - 0.1)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+    fig.tight_layout()
+    plt.close(fig)
+    return fig
