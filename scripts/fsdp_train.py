@@ -1,0 +1,268 @@
+"""FSDP2 (``fully_shard``) on the course's Transformer: memory per GPU against DDP, a model too big for one GPU's
+budget trained sharded, and a distributed checkpoint saved, reloaded and resumed.
+
+    python -m torch.distributed.run --standalone --nproc-per-node=2 scripts/fsdp_train.py --device cuda
+
+1. **Memory.** The same model and batch trained by DDP and by FSDP2 (every encoder layer, the embedding and the
+   head sharded as units, then the root): peak allocated memory per GPU over a few steps, the bytes of
+   parameters, gradients and optimizer state each rank holds, and the time per step.
+2. **A model that does not fit** (GPU only): a budget per GPU is emulated with
+   ``torch.cuda.set_per_process_memory_fraction``, below what one GPU needs to train the model (parameters,
+   gradients and AdamW's two moments, 16 bytes per parameter) but well above what half of that state needs. Training it
+   on one GPU runs out of memory (each rank tries on its own, no collective involved); sharded over the ranks, it
+   trains.
+3. **Checkpoint.** Train two steps, save a distributed checkpoint (``torch.distributed.checkpoint``: every rank
+   writes its own shards), train two more; then a fresh model with other weights loads the checkpoint and trains
+   the same two steps: the losses must match.
+
+Rank 0 writes the numbers as JSON (``--result``).
+"""
+
+import copy
+import gc
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the course's utils, however this is started
+
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from utils import distributed as D
+from utils.data import synthetic_tokens
+from utils.models import TransformerConfig, TransformerModel
+from utils.out_of_memory import is_out_of_memory
+from utils.train import lm_loss
+
+# FSDP2 warns that a unit returned a view (a Linear on [B, T, d] does): only an in-place op on it would be wrong,
+# and nothing here modifies a module's output in place.
+warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+
+CONFIGS = {
+    "tiny": TransformerConfig(vocab_size=512, d_model=64, nhead=4, num_layers=2, dim_feedforward=128, dropout=0.0),
+    "seed": TransformerConfig(dropout=0.0),  # 76 M parameters
+    "large": TransformerConfig(d_model=1024, nhead=16, num_layers=8, dim_feedforward=4096, dropout=0.0),  # 0.2 B
+    "xl": TransformerConfig(d_model=2048, nhead=16, num_layers=8, dim_feedforward=8192, dropout=0.0),  # 0.6 B
+}
+#: The emulated budget per GPU, in bytes per parameter of the model that must not fit: one GPU needs 16 (fp32
+#: parameters and gradients, AdamW's two moments) and more for activations; sharded over two GPUs that state is 8,
+#: and the layers gathered for the moment, their gradients and the activations fit in the 6 left.
+BUDGET_BYTES_PER_PARAM = 14
+
+
+def shard_model(model, ctx, mp_policy):
+    """FSDP2: shard the embedding, every encoder layer and the head as units of their own, then the root."""
+    mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))  # explicit: the CPU path may run beside a GPU
+    # the logits leave the head in fp32 (the loss needs them so); inside, each unit's output stays in param_dtype
+    last = replace(mp_policy, output_dtype=torch.float32) if mp_policy.param_dtype is not None else mp_policy
+    for unit in (model.embedding, *model.encoder.layers):
+        fully_shard(unit, mesh=mesh, mp_policy=mp_policy)
+    fully_shard(model.head, mesh=mesh, mp_policy=last)
+    return fully_shard(model, mesh=mesh, mp_policy=last)
+
+
+#: Set by --bf16: bf16 mixed precision on a CPU too (the tests run the GPUs' code path that way).
+FORCE_BF16 = False
+
+
+def precision(ctx):
+    """(autocast dtype for DDP, FSDP2 mixed-precision policy): bf16 compute with fp32 gradient reduction on GPUs
+    that have bf16, fp32 elsewhere."""
+    if FORCE_BF16 or D.native_bf16(ctx.device):
+        return torch.bfloat16, MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return None, MixedPrecisionPolicy()
+
+
+def batch_for(ctx, step, batch, seq, vocab):
+    """This rank's batch of a given step (different on every rank, the same on every run)."""
+    gen = torch.Generator().manual_seed(10_000 + step * ctx.world_size + ctx.rank)
+    x, y = synthetic_tokens(batch, seq, vocab, generator=gen)
+    return x.to(ctx.device), y.to(ctx.device)
+
+
+def train_step(model, optimizer, x, y, amp_dtype):
+    optimizer.zero_grad(set_to_none=True)
+    with torch.autocast(x.device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+        loss = lm_loss(model(x), y)
+    loss.backward()
+    optimizer.step()
+    return loss.detach()
+
+
+def mean_over_ranks(value):
+    t = value.detach().float().reshape(1).clone()
+    dist.all_reduce(t)
+    return t.item() / dist.get_world_size()
+
+
+def release(ctx):
+    gc.collect()
+    if ctx.device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def memory(ctx, config, batch, seq, min_run_s):
+    """DDP and FSDP2 on the same model and batch: peak memory, state bytes per rank, time per step."""
+    amp_dtype, mp_policy = precision(ctx)
+    torch.manual_seed(0)
+    init_state = TransformerModel(config).state_dict()
+    x, y = batch_for(ctx, 0, batch, seq, config.vocab_size)
+    out = {}
+    for kind in ("ddp", "fsdp"):
+        model = TransformerModel(config)
+        model.load_state_dict(init_state)
+        if kind == "ddp":
+            model = DDP(model.to(ctx.device), device_ids=[ctx.local_rank] if ctx.device.type == "cuda" else None)
+            step_amp = amp_dtype
+        else:
+            model = shard_model(model, ctx, mp_policy)
+            step_amp = None  # the mixed-precision policy casts the parameters: no autocast
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        if ctx.device.type == "cuda":
+            torch.cuda.synchronize(ctx.device)
+            torch.cuda.reset_peak_memory_stats(ctx.device)
+        for _ in range(3):
+            train_step(model, optimizer, x, y, step_amp)
+        peak = torch.cuda.max_memory_allocated(ctx.device) if ctx.device.type == "cuda" else None
+        state = D.model_state_bytes(model, optimizer)
+        timing = D.collective_bench(lambda m=model, o=optimizer, a=step_amp: train_step(m, o, x, y, a), ctx,
+                                    label=kind, warmup=1, min_run_time=min_run_s)
+        out[kind] = {"peak_bytes": peak, "state_bytes": state, "timing": D.timing_to_dict(timing),
+                     "tokens_per_s": ctx.world_size * batch * seq / timing.median_s}
+        D.log(ctx, f"{kind:>4}: model state per rank {state['total'] / 2**20:,.1f} MiB"
+                   + (f", peak allocated {peak / 2**20:,.0f} MiB" if peak is not None else "")
+                   + f", {timing.median_s * 1e3:.2f} ms per step")
+        del model, optimizer
+        release(ctx)
+    return out
+
+
+def too_big(ctx, config, batch, seq):
+    """Emulate a smaller GPU, show that one GPU cannot train the model and that FSDP2 over the ranks can."""
+    amp_dtype, mp_policy = precision(ctx)
+    torch.manual_seed(0)
+    cpu_model = TransformerModel(config)
+    params = sum(p.numel() for p in cpu_model.parameters())
+    budget = BUDGET_BYTES_PER_PARAM * params
+    total = torch.cuda.get_device_properties(ctx.device).total_memory
+    release(ctx)
+    torch.cuda.set_per_process_memory_fraction(budget / total, ctx.device)
+    out = {"parameters": params, "budget_bytes": budget, "total_bytes": total,
+           "budget_bytes_per_param": BUDGET_BYTES_PER_PARAM}
+    x, y = batch_for(ctx, 0, batch, seq, config.vocab_size)
+    try:
+        model = copy.deepcopy(cpu_model).to(ctx.device)  # one GPU, no DDP: no collective can be left waiting
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        try:
+            train_step(model, optimizer, x, y, amp_dtype)
+            torch.cuda.synchronize(ctx.device)
+            out["one_gpu"] = "trained (the budget was not too small)"
+        except RuntimeError as err:  # torch.OutOfMemoryError, or cuBLAS failing to allocate its workspace
+            if not is_out_of_memory(err):
+                raise
+            out["one_gpu"] = "out of memory: " + str(err).split("\n")[0][:160]
+        del model, optimizer
+        release(ctx)
+        dist.barrier()
+        D.log(ctx, f"one GPU, {params / 1e6:,.0f} M parameters, budget {budget / 2**30:.1f} GiB: {out['one_gpu']}")
+        torch.cuda.reset_peak_memory_stats(ctx.device)
+        model = shard_model(cpu_model, ctx, mp_policy)  # fully_shard moves each unit to the GPU and keeps a shard
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        losses = [mean_over_ranks(train_step(model, optimizer, *batch_for(ctx, s, batch, seq, config.vocab_size),
+                                             None)) for s in range(3)]
+        out.update(fsdp_losses=losses, fsdp_peak_bytes=torch.cuda.max_memory_allocated(ctx.device),
+                   fsdp_state_bytes=D.model_state_bytes(model, optimizer))
+        shown = ", ".join(f"{v:.3f}" for v in losses)
+        D.log(ctx, f"FSDP2 over {ctx.world_size} GPUs: trained 3 steps (losses {shown}), peak "
+                   f"{out['fsdp_peak_bytes'] / 2**30:.2f} GiB per GPU within the budget")
+        del model, optimizer
+    finally:
+        release(ctx)
+        torch.cuda.set_per_process_memory_fraction(1.0, ctx.device)
+    return out
+
+
+def checkpoint(ctx, config, batch, seq, folder):
+    """Train 2 steps, save, train 2 more; a fresh model loads the checkpoint and must repeat those 2 steps."""
+    amp_dtype, mp_policy = precision(ctx)
+
+    def fresh(seed):
+        torch.manual_seed(seed)
+        model = shard_model(TransformerModel(config), ctx, mp_policy)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def steps(model, optimizer, which):
+        return [mean_over_ranks(train_step(model, optimizer, *batch_for(ctx, s, batch, seq, config.vocab_size),
+                                           None)) for s in which]
+
+    model, optimizer = fresh(0)
+    before = steps(model, optimizer, range(2))
+    start = time.perf_counter()
+    model_state, optim_state = get_state_dict(model, optimizer)  # sharded: every rank has only its part
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(folder))
+    save_s = time.perf_counter() - start
+    uninterrupted = steps(model, optimizer, range(2, 4))
+    del model, optimizer
+    release(ctx)
+
+    model, optimizer = fresh(123)  # other initial weights: everything must come from the checkpoint
+    start = time.perf_counter()
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=str(folder))  # in place, into this rank's shards
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    load_s = time.perf_counter() - start
+    resumed = steps(model, optimizer, range(2, 4))
+    torch.testing.assert_close(resumed, uninterrupted, rtol=1e-5, atol=1e-6)
+    files = sorted((p.name, p.stat().st_size) for p in Path(folder).iterdir() if p.is_file())
+    same = "bit-identical" if resumed == uninterrupted else "within 1e-5"
+    D.log(ctx, f"✅ resumed from the checkpoint: losses {', '.join(f'{v:.4f}' for v in resumed)} == uninterrupted "
+               f"{', '.join(f'{v:.4f}' for v in uninterrupted)} ({same})")
+    return {"before": before, "uninterrupted": uninterrupted, "resumed": resumed,
+            "identical": resumed == uninterrupted, "files": files, "save_s": save_s, "load_s": load_s}
+
+
+def main() -> None:
+    parser = D.script_arguments(__doc__.splitlines()[0])
+    parser.add_argument("--checkpoint-dir", type=Path, required=True)
+    parser.add_argument("--min-run-s", type=float, default=None)
+    parser.add_argument("--phases", default="memory,too_big,checkpoint", help="which of the three parts to run")
+    parser.add_argument("--bf16", action="store_true", help="bf16 mixed precision even on a CPU")
+    args = parser.parse_args()
+    global FORCE_BF16
+    FORCE_BF16 = args.bf16
+    phases = set(args.phases.split(","))
+    ctx = D.setup(args.device, timeout_s=args.timeout_s)
+    on_gpu = ctx.device.type == "cuda"
+    out = {"world_size": ctx.world_size, "backend": ctx.backend,
+           "device": torch.cuda.get_device_name(ctx.device) if on_gpu else "cpu"}
+    try:
+        if "memory" in phases:
+            size, batch, seq = ("large", 8, 256) if on_gpu else ("tiny", 4, 32)
+            out["memory"] = memory(ctx, CONFIGS[size], batch, seq, args.min_run_s or (1.0 if on_gpu else 0.2))
+            out["memory"]["config"] = size
+        if "too_big" in phases and on_gpu:
+            out["too_big"] = too_big(ctx, CONFIGS["xl"], 2, 256)
+        elif "too_big" in phases:
+            out["too_big"] = None
+            D.log(ctx, "a model too big for one GPU: skipped on CPU — set_per_process_memory_fraction limits the "
+                       "CUDA caching allocator, and a CPU has no per-process budget to emulate")
+        if "checkpoint" in phases:
+            out["checkpoint"] = checkpoint(ctx, CONFIGS["seed" if on_gpu else "tiny"], 4 if on_gpu else 2,
+                                           128 if on_gpu else 16, args.checkpoint_dir)
+        D.write_result(ctx, args.result, out)
+    finally:
+        D.teardown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,44 @@
+"""A collective that one rank never joins: with a timeout it fails with an error instead of hanging forever.
+
+    python -m torch.distributed.run --standalone --nproc-per-node=2 scripts/mismatched_collective.py --timeout-s 5
+
+Rank 0 all-reduces a tensor; every other rank takes another code path (here: it sleeps, as a rank stuck in data
+loading or in a branch the others did not take would) and never calls the all-reduce. Without a timeout rank 0
+would wait forever. With ``init_process_group(timeout=...)``, gloo raises on rank 0 after the timeout and NCCL's
+watchdog aborts the process: either way torchrun sees a failed rank, stops the others, and the launch fails with
+the timeout named in its output.
+"""
+
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the course's utils, however this is started
+
+import torch
+import torch.distributed as dist
+
+from utils import distributed as D
+
+
+def main() -> None:
+    args = D.script_arguments(__doc__.splitlines()[0]).parse_args()
+    ctx = D.setup(args.device, timeout_s=args.timeout_s)
+    try:
+        dist.barrier()  # everyone is here: the mismatch below is the only problem
+        if ctx.rank == 0:
+            D.log(ctx, f"rank 0 calls all_reduce; the other rank never will (timeout {args.timeout_s:g} s)")
+            t = torch.ones(4, device=ctx.device)
+            dist.all_reduce(t)
+            if ctx.device.type == "cuda":
+                torch.cuda.synchronize(ctx.device)  # NCCL is asynchronous: wait here until the watchdog fires
+            D.log(ctx, "unreachable: the all-reduce completed")
+        else:
+            time.sleep(10 * args.timeout_s + 60)  # torchrun stops this rank once rank 0 has failed
+        D.write_result(ctx, args.result, {"completed": True})
+    finally:
+        D.teardown()
+
+
+if __name__ == "__main__":
+    main()

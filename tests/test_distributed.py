@@ -1,0 +1,285 @@
+"""utils.distributed and the scripts of notebook 10: the launcher (environment, streaming, deadline, errors), the
+pure helpers, and the real scripts run as 2 gloo processes on the CPU (GPU variants need 2 CUDA GPUs)."""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from utils import distributed as D
+from utils.bench import Timing
+
+needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+CPU = ["--device", "cpu", "--timeout-s", "30"]
+
+
+# ── The launcher's environment ───────────────────────────────────────────────────────────────────────────────
+
+
+def test_child_env_keeps_the_multicast_switches_of_the_parent(monkeypatch):
+    values = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+    assert set(values) == set(D.PASSED_THROUGH)
+    for name, value in values.items():
+        monkeypatch.setenv(name, value)
+    env = D.child_env(2, nccl_debug="INFO")
+    for name, value in values.items():
+        assert env[name] == value, f"{name} must reach the processes unchanged"
+
+
+def test_child_env_passes_everything_else_and_adds_only_what_it_needs(monkeypatch):
+    monkeypatch.setenv("COURSE_TEST_VARIABLE", "kept")
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("NCCL_DEBUG", raising=False)
+    env = D.child_env(2)
+    assert env["COURSE_TEST_VARIABLE"] == "kept" and env["PYTHONUNBUFFERED"] == "1"
+    assert int(env["OMP_NUM_THREADS"]) >= 1 and "NCCL_DEBUG" not in env
+    added = set(env) - set(os.environ)
+    assert added <= {"OMP_NUM_THREADS", "PYTHONUNBUFFERED"}
+    monkeypatch.setenv("OMP_NUM_THREADS", "7")
+    assert D.child_env(2)["OMP_NUM_THREADS"] == "7", "a thread count set by the reader is kept"
+
+
+@pytest.mark.parametrize("name", D.PASSED_THROUGH)
+def test_child_env_refuses_to_set_a_passed_through_variable(name):
+    with pytest.raises(ValueError, match="passed through"):
+        D.child_env(2, extra={name: "1"})
+
+
+def test_launch_hands_the_child_environment_to_the_processes(monkeypatch):
+    """launch() starts torchrun with child_env(): the multicast switches of the parent reach every process."""
+    for name in D.PASSED_THROUGH:
+        monkeypatch.setenv(name, "0" if name == "NCCL_NVLS_ENABLE" else "1")
+    seen = {}
+
+    class Started(Exception):
+        pass
+
+    def fake_popen(cmd, **kwargs):
+        seen.update(kwargs["env"])
+        raise Started
+
+    monkeypatch.setattr(D.subprocess, "Popen", fake_popen)
+    with pytest.raises(Started):
+        D.launch("allreduce_bench.py", 2)
+    assert {name: seen[name] for name in D.PASSED_THROUGH} == {name: os.environ[name] for name in D.PASSED_THROUGH}
+
+
+def test_function_source_reads_a_scripts_function():
+    source = D.function_source("ddp_train.py", "wrap")
+    assert source.startswith("def wrap(") and "DDP(" in source
+    with pytest.raises(KeyError, match="no function"):
+        D.function_source("ddp_train.py", "no_such_function")
+
+
+def test_torchrun_command_uses_this_python():
+    cmd = D.torchrun_command("scripts/x.py", 2, ["--a", 1])
+    assert cmd[:3] == [os.sys.executable, "-m", "torch.distributed.run"]
+    assert "--nproc-per-node=2" in cmd and cmd[-3:] == ["scripts/x.py", "--a", "1"]
+
+
+def test_launch_rejects_bad_arguments():
+    with pytest.raises(FileNotFoundError, match="no script"):
+        D.launch("no_such_script.py", 2)
+    with pytest.raises(ValueError, match="nproc"):
+        D.launch("allreduce_bench.py", 0)
+
+
+def test_setup_outside_torchrun_says_how_to_start(monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(RuntimeError, match="torchrun"):
+        D.setup("cpu")
+
+
+def test_failure_cause_prefers_the_timeout():
+    lines = ["[rank0]: Traceback (most recent call last):",
+             "[rank0]: RuntimeError: [../gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 2000ms for recv",
+             "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: "]
+    assert D.failure_cause(lines).startswith("Timed out waiting 2000ms")
+    assert D.failure_cause(["[rank1]: ValueError: bad shape"]) == "ValueError: bad shape"
+    assert D.failure_cause(["all good"]) is None
+
+
+# ── Pure helpers ─────────────────────────────────────────────────────────────────────────────────────────────
+
+
+def test_bus_factor_matches_nccl_tests():
+    assert [D.allreduce_bus_factor(n) for n in (2, 4, 8)] == [1.0, 1.5, 1.75]
+    with pytest.raises(ValueError):
+        D.allreduce_bus_factor(1)
+
+
+def test_timing_round_trips_through_json():
+    t = Timing("x", 0.002, 0.0001, (0.0019, 0.002, 0.0021), 10, "cpu")
+    import json
+
+    assert D.timing_from_dict(json.loads(json.dumps(D.timing_to_dict(t)))) == t
+
+
+def _k(name, start, duration):
+    return SimpleNamespace(name=name, start_us=start, duration_us=duration)
+
+
+def test_communication_overlap_counts_time_under_computation():
+    kernels = [_k("gemm_backward", 0, 100), _k("ncclDevKernel_AllReduce_Sum_f32", 50, 100),
+               _k("elementwise", 130, 20)]
+    stats = D.communication_overlap(kernels, steps=1)
+    assert math.isclose(stats["comm_s"], 100e-6) and math.isclose(stats["overlapped_s"], 70e-6)
+    assert math.isclose(stats["exposed_s"], 30e-6) and math.isclose(stats["overlap_fraction"], 0.7)
+    assert math.isnan(D.communication_overlap([_k("gemm", 0, 1)])["overlap_fraction"])
+
+
+TOPOLOGY = """\
+\t\x1b[4mGPU0\tGPU1\tNIC0\tCPU Affinity\tNUMA Affinity\tGPU NUMA ID\x1b[0m
+GPU0\t X \tNV18\tSYS\t0-47\t0\t\tN/A
+GPU1\tNV18\t X \tSYS\t0-47\t0\t\tN/A
+NIC0\tSYS\tSYS\t X \t\t\t\t
+
+Legend:
+  NV#  = Connection traversing a bonded set of # NVLinks
+"""
+
+
+def test_link_between_and_its_spec():
+    assert D.link_between(TOPOLOGY, 0, 1) == "NV18" and D.link_between(TOPOLOGY, 1, 0) == "NV18"
+    assert D.link_between(TOPOLOGY, 0, 3) is None and D.link_between("garbage", 0, 1) is None
+    assert D.link_spec_gbps("NV18", (9, 0))[0] == 450.0  # H100/H200 SXM: 900 GB/s bidirectional
+    assert D.link_spec_gbps("NV12", (8, 0))[0] == 300.0  # A100 SXM: 600 GB/s bidirectional
+    assert D.link_spec_gbps("PIX", (8, 9), 31.5)[0] == 31.5
+    assert D.link_spec_gbps("SYS", (8, 9))[0] is None and D.link_spec_gbps(None, (9, 0))[0] is None
+
+
+def test_native_bf16():
+    assert not D.native_bf16(torch.device("cpu"))
+    if torch.cuda.is_available():
+        cc = torch.cuda.get_device_capability(0)
+        assert D.native_bf16(torch.device("cuda", 0)) == (cc >= (8, 0))
+
+
+def test_model_state_bytes_counts_parameters_gradients_and_adam():
+    model = torch.nn.Linear(10, 10)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 10)).sum().backward()
+    optimizer.step()
+    state = D.model_state_bytes(model, optimizer)
+    assert state["parameters"] == state["gradients"] == 110 * 4 and state["optimizer"] == 2 * 110 * 4
+    assert state["total"] == 4 * 110 * 4
+
+
+# ── The real scripts, 2 gloo processes on the CPU ───────────────────────────────────────────────────────────
+
+
+def test_allreduce_script_checks_and_times(capsys):
+    run = D.launch("allreduce_bench.py", 2, timeout_s=60,
+                   args=[*CPU, "--min-bytes", 1024, "--max-bytes", 65536, "--min-run-s", 0.02])
+    assert any("✅ all_reduce(SUM)" in line for line in run.lines)
+    assert "✅ all_reduce(SUM)" in capsys.readouterr().out, "the output is streamed"
+    rows = run.result["rows"]
+    assert [r["bytes"] for r in rows] == [1024, 4096, 16384, 65536]
+    assert all(r["bus_gbps"] == r["alg_gbps"] > 0 for r in rows)  # 2 ranks: bus = algorithm bandwidth
+
+
+def test_ddp_script_equals_one_process_and_no_sync_accumulates():
+    run = D.launch("ddp_train.py", 2, timeout_s=60, echo=False,
+                   args=[*CPU, "--check", "--variants", "ddp,accum_no_sync", "--min-run-s", 0.05])
+    check = run.result["check"]
+    assert check["grad_err"] < 1e-4 and check["weight_err"] < 1e-4
+    accumulation = check["accumulation"]
+    assert accumulation["no_sync"]["allreduce_calls"] < accumulation["sync_every_micro_batch"]["allreduce_calls"]
+    assert accumulation["no_sync"]["grad_err"] < 1e-4
+    assert set(run.result["variants"]) == {"ddp", "accum_no_sync"}
+
+
+def test_fsdp_script_shards_and_resumes_from_a_checkpoint(tmp_path):
+    """With --bf16: the GPUs' code path (DDP under bf16 autocast, FSDP2 with a bf16 MixedPrecisionPolicy)."""
+    run = D.launch("fsdp_train.py", 2, timeout_s=60, echo=False,
+                   args=[*CPU, "--checkpoint-dir", tmp_path / "ckpt", "--min-run-s", 0.05, "--bf16"])
+    mem = run.result["memory"]
+    assert mem["fsdp"]["state_bytes"]["total"] <= 0.55 * mem["ddp"]["state_bytes"]["total"]
+    ckpt = run.result["checkpoint"]
+    torch.testing.assert_close(ckpt["resumed"], ckpt["uninterrupted"], rtol=1e-5, atol=1e-6)
+    assert any(name == ".metadata" for name, _ in ckpt["files"]) and len(ckpt["files"]) >= 3
+    assert run.result["too_big"] is None  # GPU only
+
+
+def test_a_mismatched_collective_fails_with_the_timeout_instead_of_hanging():
+    start = time.perf_counter()
+    with pytest.raises(D.LaunchError, match="[Tt]imed out|[Tt]imeout") as err:
+        D.launch("mismatched_collective.py", 2, timeout_s=60, echo=False,
+                 args=["--device", "cpu", "--timeout-s", 2])
+    assert not isinstance(err.value, D.LaunchTimeout), "the collective's timeout, not the launcher's deadline"
+    assert time.perf_counter() - start < 45
+
+
+def _processes_with(marker: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if marker in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc to find left-over processes")
+def test_the_deadline_kills_every_process_of_the_run():
+    marker = "987.654"  # a collective timeout no other run uses: finds this run's processes in /proc
+    start = time.perf_counter()
+    with pytest.raises(D.LaunchTimeout, match="did not finish within 8 s"):
+        D.launch("mismatched_collective.py", 2, timeout_s=8, echo=False,
+                 args=["--device", "cpu", "--timeout-s", marker])
+    assert time.perf_counter() - start < 25
+    time.sleep(0.5)
+    assert _processes_with(marker) == [], "processes of the killed run are still alive"
+
+
+# ── On two GPUs (the reference machine's GPU test run) ──────────────────────────────────────────────────────
+
+
+@needs_two_gpus
+def test_topology_of_this_machine_names_the_link():
+    topology = D.gpu_topology()
+    assert topology is not None, "nvidia-smi topo -m gave nothing"
+    link = D.link_between(topology, 0, 1)
+    assert link is not None, f"no GPU0-GPU1 entry found in:\n{topology}"
+    spec, what = D.link_spec_gbps(link, torch.cuda.get_device_capability(0))
+    assert what
+
+
+@needs_two_gpus
+def test_allreduce_script_on_two_gpus():
+    run = D.launch("allreduce_bench.py", 2, timeout_s=180, echo=False,
+                   args=["--device", "cuda", "--timeout-s", 60, "--max-bytes", 1 << 26, "--min-run-s", 0.05])
+    assert run.result["backend"] == "nccl" and run.result["rows"][-1]["bus_gbps"] > 1.0
+
+
+@needs_two_gpus
+def test_ddp_script_on_two_gpus():
+    run = D.launch("ddp_train.py", 2, timeout_s=300, echo=False,
+                   args=["--device", "cuda", "--timeout-s", 60, "--check", "--variants", "ddp", "--min-run-s", 0.2,
+                         "--profile-trace", "/tmp/course_ddp_trace.json"])
+    assert run.result["check"]["grad_err"] < 1e-4 and run.result["backend"] == "nccl"
+    assert run.result["variants"]["ddp"]["profile"]["comm_s"] > 0, "the profile shows NCCL kernels"
+
+
+@needs_two_gpus
+def test_fsdp_script_on_two_gpus(tmp_path):
+    run = D.launch("fsdp_train.py", 2, timeout_s=400, echo=False,
+                   args=["--device", "cuda", "--timeout-s", 60, "--checkpoint-dir", tmp_path / "ckpt"])
+    mem, too_big = run.result["memory"], run.result["too_big"]
+    assert mem["fsdp"]["peak_bytes"] < mem["ddp"]["peak_bytes"]
+    assert too_big["one_gpu"].startswith("out of memory") and too_big["fsdp_peak_bytes"] <= too_big["budget_bytes"]
+
+
+@needs_two_gpus
+def test_mismatched_collective_times_out_under_nccl():
+    with pytest.raises(D.LaunchError, match="[Tt]imed out|[Tt]imeout"):
+        D.launch("mismatched_collective.py", 2, timeout_s=120, echo=False, args=["--device", "cuda", "--timeout-s", 5])

@@ -1,0 +1,555 @@
+"""Training on several GPUs from a notebook: ``torchrun`` launched with a deadline, and what its scripts share.
+
+PyTorch runs data-parallel training as one process per GPU, started by ``torchrun`` (``python -m
+torch.distributed.run``), which gives every process its ``RANK``, ``LOCAL_RANK`` and ``WORLD_SIZE``. A notebook
+cannot be that process, so notebook 10 keeps its training scripts in ``scripts/`` and launches them:
+
+    run = utils.distributed.launch("ddp_train.py", nproc=2, args=["--device", "cuda"], timeout_s=300)
+    run.result            # the JSON the script's rank 0 wrote with write_result()
+
+:func:`launch` streams the processes' output into the notebook line by line, kills the whole process group when
+the deadline passes (and says so), and raises :class:`LaunchError` with the line that says what went wrong when a
+process fails. The child processes get the notebook's environment unchanged — in particular the variables in
+:data:`PASSED_THROUGH`, which keep NVLink multicast switched off on machines that require it — plus only
+``OMP_NUM_THREADS`` (if unset), ``PYTHONUNBUFFERED`` and, when asked, ``NCCL_DEBUG``.
+
+Inside a script: :func:`setup` reads the ranks, pins the process to its GPU (``torch.cuda.set_device``), and
+joins the process group — NCCL on GPUs, gloo on a CPU — with a short ``timeout``, so that a collective that one
+rank never reaches fails with an error instead of hanging; :func:`teardown` leaves it. :func:`collective_bench`
+times work that contains collectives (every rank must make the same number of calls, which ``utils.bench.bench``
+does not guarantee), :func:`write_result` hands rank 0's numbers back to the notebook.
+
+Also here: bus bandwidth of an all-reduce, the communication/computation overlap in a profile, the bytes of model
+state a rank holds, and the link between two GPUs as ``nvidia-smi topo -m`` reports it with its specified rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import json
+import math
+import os
+import queue
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import timeit
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from utils.bench import Timing
+
+ROOT = Path(__file__).resolve().parents[1]
+#: Where the course's distributed training scripts live.
+SCRIPTS_DIR = ROOT / "scripts"
+
+#: Environment variables that launch() passes to every process exactly as the notebook has them, never set or
+#: changed: on shared multi-GPU machines they switch NVLink multicast (NVLS) off, whose use can take GPUs out of
+#: service. The course never uses symmetric memory or multicast objects either.
+PASSED_THROUGH = ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS")
+
+#: Lines of a failed run that say why it failed, most telling first.
+_CAUSES = (re.compile(r"Watchdog caught collective operation timeout.*"),
+           re.compile(r"[Tt]imed out.*|[Tt]imeout.*"),
+           re.compile(r"\b\w*(Error|Exception): .*"))
+
+
+class LaunchError(RuntimeError):
+    """A launched run failed: its exit code, the line that says why, and its last lines of output."""
+
+    def __init__(self, message: str, *, returncode: int | None, lines: Sequence[str]) -> None:
+        super().__init__(message)
+        self.returncode = returncode
+        self.lines = list(lines)
+
+
+class LaunchTimeout(LaunchError, TimeoutError):
+    """A launched run did not finish before its deadline: every process of it was killed."""
+
+
+@dataclass
+class LaunchResult:
+    """What one launch produced: the JSON of rank 0 (``result``), every line of output and the wall time."""
+
+    script: str
+    nproc: int
+    returncode: int
+    lines: list[str]
+    result: dict[str, Any] | None
+    wall_s: float
+
+
+# ── Launching ──────────────────────────────────────────────────────────────────────────────────────────────
+
+
+def child_env(nproc: int, *, nccl_debug: str | None = None, extra: dict[str, str] | None = None,
+              parent: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of the launched processes: the parent's (default ``os.environ``), unchanged, plus
+    ``OMP_NUM_THREADS`` (CPU threads per process, only if the parent has none: this machine's cores shared among
+    the ``nproc`` processes), ``PYTHONUNBUFFERED=1`` (lines arrive as they are printed) and ``NCCL_DEBUG`` when
+    asked (``"INFO"`` prints how NCCL connects the GPUs; ``"WARN"`` only problems).
+
+    Raises:
+        ValueError: if ``extra`` would set one of :data:`PASSED_THROUGH` (they are the machine's to set).
+    """
+    env = dict(os.environ if parent is None else parent)
+    for name in extra or {}:
+        if name in PASSED_THROUGH:
+            raise ValueError(f"{name} is passed through from the parent environment unchanged; launch() never sets "
+                             "it")
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(nproc, 1))))
+    env["PYTHONUNBUFFERED"] = "1"
+    if nccl_debug is not None:
+        env["NCCL_DEBUG"] = nccl_debug
+    env.update(extra or {})
+    return env
+
+
+def function_source(script: str | Path, name: str) -> str:
+    """The source of the top-level function ``name`` of a script in ``scripts/`` (read, not imported: the
+    scripts start process groups), for a notebook to show the lines it runs.
+
+    Raises:
+        FileNotFoundError: for a script that does not exist. KeyError: for a function it does not define.
+    """
+    import ast
+
+    path = _script_path(script)
+    source = path.read_text()
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.FunctionDef) and node.name == name:
+            return ast.get_source_segment(source, node) or ""
+    raise KeyError(f"{path.name} defines no function {name!r}")
+
+
+def torchrun_command(script: str | Path, nproc: int, args: Sequence[str] = ()) -> list[str]:
+    """``python -m torch.distributed.run --standalone --nproc-per-node=N script args``, with this kernel's Python
+    (the ``torchrun`` on PATH may belong to another environment). ``--standalone`` runs a single-machine
+    rendezvous on a free port, so two runs never collide."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+            str(script), *map(str, args)]
+
+
+def _script_path(script: str | Path) -> Path:
+    path = Path(script)
+    if not path.is_absolute() and not path.exists():
+        path = SCRIPTS_DIR / path
+    if not path.is_file():
+        raise FileNotFoundError(f"no script {script!r} (looked in {SCRIPTS_DIR})")
+    return path
+
+
+def _kill_group(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
+    """SIGTERM to the run's whole process group (torchrun and every rank), then SIGKILL to whatever of it is left
+    after ``grace_s`` (a rank may outlive torchrun)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=grace_s)
+    time.sleep(0.2)  # let the ranks act on the SIGTERM torchrun passed on
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=grace_s)
+
+
+def failure_cause(lines: Sequence[str]) -> str | None:
+    """The line of a failed run's output that best says why: a collective's timeout first, then any timeout, then
+    the last exception a rank printed (torchrun's own summary left aside)."""
+    own = ("ChildFailedError", "torch.distributed.elastic")
+    for pattern in _CAUSES:
+        for line in reversed(lines):
+            if any(o in line for o in own):
+                continue
+            match = pattern.search(line)
+            if match:
+                return match.group(0).strip()
+    return None
+
+
+def launch(script: str | Path, nproc: int, args: Sequence[str] = (), *, timeout_s: float = 300.0,
+           echo: bool | Callable[[str], bool] = True, nccl_debug: str | None = None,
+           extra_env: dict[str, str] | None = None) -> LaunchResult:
+    """Run ``script`` (a path, or a name in ``scripts/``) under ``torchrun`` with ``nproc`` processes and return
+    what rank 0 reported.
+
+    The script gets ``--result PATH`` appended to ``args``; its rank 0 writes its numbers there with
+    :func:`write_result`. Output (stdout and stderr together) is printed line by line as it arrives when
+    ``echo`` is True, or for the lines ``echo(line)`` accepts.
+
+    Raises:
+        LaunchTimeout: the run was still going after ``timeout_s`` seconds; the whole process group was killed.
+        LaunchError: a process failed (the message names the line that says why) or no result was written.
+        ValueError: for ``nproc`` < 1 or a non-positive timeout.
+    """
+    if nproc < 1 or timeout_s <= 0:
+        raise ValueError(f"launch(): need nproc >= 1 and timeout_s > 0, got {nproc} and {timeout_s}")
+    path = _script_path(script)
+    out_dir = Path(tempfile.mkdtemp(prefix="course-dist-"))
+    result_path = out_dir / "result.json"
+    cmd = torchrun_command(path, nproc, [*args, "--result", str(result_path)])
+    show = echo if callable(echo) else (lambda line: bool(echo))
+    lines: list[str] = []
+    start = time.perf_counter()
+    try:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                                errors="replace", env=child_env(nproc, nccl_debug=nccl_debug, extra=extra_env),
+                                cwd=ROOT, start_new_session=True)  # its own process group: killed as one
+    except BaseException:
+        shutil.rmtree(out_dir, ignore_errors=True)
+        raise
+    arrived: queue.Queue[str | None] = queue.Queue()
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            arrived.put(line.rstrip("\n"))
+        arrived.put(None)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        deadline = start + timeout_s
+        while True:
+            try:
+                line = arrived.get(timeout=max(0.0, min(0.5, deadline - time.perf_counter())))
+            except queue.Empty:
+                if time.perf_counter() >= deadline:
+                    _kill_group(proc)
+                    tail = "\n".join(lines[-15:])
+                    raise LaunchTimeout(f"{path.name} with {nproc} processes did not finish within {timeout_s:.0f} s: "
+                                        f"every process of it was killed. Last lines:\n{tail}",
+                                        returncode=proc.poll(), lines=lines) from None
+                continue
+            if line is None:
+                break
+            lines.append(line)
+            if show(line):
+                print(line, flush=True)
+        try:
+            returncode = proc.wait(timeout=max(1.0, deadline - time.perf_counter()))
+        except subprocess.TimeoutExpired:  # its output closed, but a process lives on past the deadline
+            _kill_group(proc)
+            raise LaunchTimeout(f"{path.name} with {nproc} processes did not exit within {timeout_s:.0f} s: every "
+                                "process of it was killed", returncode=proc.poll(), lines=lines) from None
+    except BaseException:  # the deadline, an interrupted kernel, anything: never leave processes behind
+        if proc.poll() is None:
+            _kill_group(proc)
+        shutil.rmtree(out_dir, ignore_errors=True)
+        raise
+    wall_s = time.perf_counter() - start
+    result = json.loads(result_path.read_text()) if result_path.is_file() else None
+    shutil.rmtree(out_dir, ignore_errors=True)
+    if returncode != 0:
+        cause = failure_cause(lines)
+        tail = "\n".join(lines[-15:])
+        raise LaunchError(f"{path.name} with {nproc} processes failed (exit code {returncode})"
+                          + (f": {cause}" if cause else "") + f"\nLast lines:\n{tail}",
+                          returncode=returncode, lines=lines)
+    if result is None:
+        raise LaunchError(f"{path.name} finished but its rank 0 wrote no result (write_result)", returncode=returncode,
+                          lines=lines)
+    return LaunchResult(path.name, nproc, returncode, lines, result, wall_s)
+
+
+# ── Inside a script ────────────────────────────────────────────────────────────────────────────────────────
+
+
+@dataclass(frozen=True)
+class Context:
+    """Who this process is in the run: its rank, the world size, its GPU (or the CPU) and the backend."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def script_arguments(description: str) -> argparse.ArgumentParser:
+    """An argument parser with the options every course script takes: ``--device cpu|cuda``, ``--timeout-s``
+    (of every collective) and ``--result`` (where rank 0 writes its JSON; launch() passes it)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--timeout-s", type=float, default=120.0,
+                        help="a collective that has not completed after this long fails the run")
+    parser.add_argument("--result", type=Path, default=None, help="rank 0 writes its results here (JSON)")
+    return parser
+
+
+def setup(device_type: str, *, timeout_s: float = 120.0) -> Context:
+    """Join the process group started by torchrun: NCCL on CUDA (after ``torch.cuda.set_device(LOCAL_RANK)``),
+    gloo on a CPU, with ``timeout`` = ``timeout_s`` for every collective.
+
+    Raises:
+        RuntimeError: when not started by torchrun (no RANK/WORLD_SIZE/LOCAL_RANK), or when this process's
+            LOCAL_RANK has no GPU of its own.
+        ValueError: for a device type other than 'cpu' or 'cuda'.
+    """
+    missing = [v for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK") if v not in os.environ]
+    if missing:
+        raise RuntimeError(f"{', '.join(missing)} not set: start this script with torchrun, e.g. "
+                           "`python -m torch.distributed.run --nproc-per-node=2 scripts/<script>.py`")
+    rank, world, local_rank = (int(os.environ[v]) for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if device_type == "cuda":
+        if not torch.cuda.is_available() or local_rank >= torch.cuda.device_count():
+            raise RuntimeError(f"LOCAL_RANK {local_rank} needs GPU {local_rank}, but this process sees "
+                               f"{torch.cuda.device_count()} GPU(s): launch at most that many processes")
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)  # before anything touches the GPU: every rank on its own GPU
+        torch.distributed.init_process_group("nccl", timeout=timeout, device_id=device)
+    elif device_type == "cpu":
+        device = torch.device("cpu")
+        torch.distributed.init_process_group("gloo", timeout=timeout)
+    else:
+        raise ValueError(f"device_type must be 'cpu' or 'cuda', got {device_type!r}")
+    return Context(rank, world, local_rank, device, torch.distributed.get_backend())
+
+
+def native_bf16(device: torch.device) -> bool:
+    """True for a GPU with bf16 arithmetic in hardware (Ampere, compute capability 8.0, and later).
+    ``torch.cuda.is_bf16_supported()`` also says yes where bf16 is only emulated (e.g. a T4), and slow."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+def teardown() -> None:
+    """Leave the process group (a clean shutdown: NCCL otherwise warns that resources may leak)."""
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def log(ctx: Context, message: str, *, all_ranks: bool = False) -> None:
+    """Print ``message`` from rank 0 (or from every rank, prefixed with it), flushed at once."""
+    if all_ranks:
+        print(f"[rank {ctx.rank}] {message}", flush=True)
+    elif ctx.is_main:
+        print(message, flush=True)
+
+
+def write_result(ctx: Context, path: str | Path | None, payload: dict[str, Any]) -> None:
+    """The end of a script's work, called by every rank: rank 0 writes ``payload`` as JSON to ``path``
+    (atomically: a reader never sees half a file), then all ranks wait for each other, so that none leaves the
+    process group while another still talks to it (a rank whose peer has gone can abort at exit)."""
+    if path is not None and ctx.is_main:
+        path = Path(path)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(payload, indent=1))
+        tmp.replace(path)
+    torch.distributed.barrier()
+
+
+def timing_to_dict(timing: Timing) -> dict[str, Any]:
+    """A :class:`utils.bench.Timing` as JSON-able data (:func:`timing_from_dict` reverses it)."""
+    return dataclasses.asdict(timing)
+
+
+def timing_from_dict(data: dict[str, Any]) -> Timing:
+    """The :class:`utils.bench.Timing` a script reported, ready for ``utils.bench.compare``."""
+    return Timing(**{**data, "block_times_s": tuple(data["block_times_s"])})
+
+
+def _agree(value: float, ctx: Context, op=None) -> float:
+    """The max (or ``op``) of ``value`` over all ranks."""
+    t = torch.tensor([float(value)], dtype=torch.float64, device=ctx.device)
+    torch.distributed.all_reduce(t, op=op or torch.distributed.ReduceOp.MAX)
+    return float(t.item())
+
+
+def collective_bench(fn: Callable[[], object], ctx: Context, *, label: str, warmup: int = 3,
+                     min_run_time: float = 0.5, min_blocks: int = 5) -> Timing:
+    """Per-call time of ``fn()`` on every rank, as ``utils.bench.bench`` measures it (blocks of calls, device
+    synchronised at the block boundaries, median and IQR over the blocks), for work that contains collectives.
+
+    Every rank must make the same number of calls or one of them waits forever in a collective the others never
+    join: the calls per block are agreed among the ranks (the largest any rank wants), the ranks start every block
+    together (a barrier, outside the timed region), and rank 0 decides when enough blocks are measured.
+    """
+    if warmup < 0 or min_run_time <= 0 or min_blocks < 1:
+        raise ValueError("collective_bench(): need warmup >= 0, min_run_time > 0, min_blocks >= 1")
+
+    def sync() -> None:
+        if ctx.device.type == "cuda":
+            torch.cuda.synchronize(ctx.device)
+
+    for _ in range(warmup):
+        fn()
+    sync()
+    torch.distributed.barrier()
+    start = timeit.default_timer()
+    fn()
+    sync()
+    one_call_s = max(_agree(timeit.default_timer() - start, ctx), 1e-7)
+    block = max(1, math.ceil(min_run_time / min_blocks / one_call_s))
+    times: list[float] = []
+    while True:
+        torch.distributed.barrier()
+        start = timeit.default_timer()
+        for _ in range(block):
+            fn()
+        sync()
+        times.append((timeit.default_timer() - start) / block)
+        more = len(times) < min_blocks or sum(times) * block < min_run_time
+        if not _agree(float(more) if ctx.is_main else 0.0, ctx):
+            break
+    q1, q3 = (statistics.quantiles(times, n=4, method="inclusive")[::2] if len(times) >= 2
+              else (times[0], times[0]))
+    return Timing(label=label, median_s=statistics.median(times), iqr_s=q3 - q1, block_times_s=tuple(times),
+                  calls_per_block=block, device=str(ctx.device))
+
+
+# ── What the numbers mean ──────────────────────────────────────────────────────────────────────────────────
+
+
+def allreduce_bus_factor(world_size: int) -> float:
+    """Bus bandwidth / algorithm bandwidth of an all-reduce over ``world_size`` ranks: 2(n−1)/n, the share of
+    the data each rank must send and receive in a ring all-reduce (nccl-tests' convention), so that bus
+    bandwidth can be put against a link's speed whatever the number of ranks."""
+    if world_size < 2:
+        raise ValueError(f"an all-reduce needs at least 2 ranks to move data, got {world_size}")
+    return 2 * (world_size - 1) / world_size
+
+
+def _intervals(kernels: Iterable[Any]) -> list[tuple[float, float]]:
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted((k.start_us, k.start_us + k.duration_us) for k in kernels):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def _overlap_us(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    total, i, j = 0.0, 0, 0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        total += max(0.0, hi - lo)
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+#: Names of communication kernels and operators: NCCL's kernels on a GPU (``ncclDevKernel_AllReduce_...``,
+#: ``ncclKernel_...``), gloo's and c10d's operators on a CPU. Nothing broader: a GEMM epilogue may well be called
+#: "...broadcast...".
+COMMUNICATION = re.compile(r"^nccl|gloo:|c10d::")
+
+
+def communication_overlap(kernels: Iterable[Any], steps: int = 1) -> dict[str, float]:
+    """How much of the communication ran while computation ran, from a profile's kernels (objects with
+    ``name``, ``start_us`` and ``duration_us``, e.g. ``utils.profile.StepProfile.kernels``).
+
+    Returns per step: ``comm_s`` (union of the communication kernels' intervals), ``compute_s`` (union of the
+    others), ``overlapped_s`` (both at once), ``exposed_s`` (communication alone: the time it adds to the step)
+    and ``overlap_fraction`` (overlapped / comm; NaN without communication).
+    """
+    kernels = list(kernels)
+    comm = _intervals(k for k in kernels if COMMUNICATION.search(k.name))
+    compute = _intervals(k for k in kernels if not COMMUNICATION.search(k.name))
+    comm_us = sum(e - s for s, e in comm)
+    overlapped_us = _overlap_us(comm, compute)
+    per = 1e-6 / max(steps, 1)
+    return {"comm_s": comm_us * per, "compute_s": sum(e - s for s, e in compute) * per,
+            "overlapped_s": overlapped_us * per, "exposed_s": (comm_us - overlapped_us) * per,
+            "overlap_fraction": overlapped_us / comm_us if comm_us > 0 else math.nan}
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t  # a DTensor shard: the part this rank holds
+
+
+def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+    """Bytes of parameters, gradients and optimizer state that this rank holds (for FSDP's sharded DTensors,
+    only the local shard): what sharding divides by the number of ranks. Activations are not included."""
+    params = list(model.parameters())
+    out = {"parameters": sum(_local(p).nbytes for p in params),
+           "gradients": sum(_local(p.grad).nbytes for p in params if p.grad is not None), "optimizer": 0}
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            out["optimizer"] += sum(_local(v).nbytes for v in state.values()
+                                    if isinstance(v, torch.Tensor) and v.dim() > 0)
+    out["total"] = out["parameters"] + out["gradients"] + out["optimizer"]
+    return out
+
+
+# ── How the GPUs are connected ─────────────────────────────────────────────────────────────────────────────
+
+
+def gpu_topology(timeout_s: float = 10.0) -> str | None:
+    """``nvidia-smi topo -m``: the matrix of how every pair of GPUs is connected, or None without nvidia-smi."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    try:
+        out = subprocess.run([exe, "topo", "-m"], capture_output=True, text=True, timeout=timeout_s, check=True)
+    except (subprocess.SubprocessError, OSError):
+        return None
+    return out.stdout
+
+
+#: What the entries of ``nvidia-smi topo -m`` mean (its own legend, abbreviated).
+TOPOLOGY_LEGEND = {
+    "NV": "NVLink: NV<n> is a bonded set of n links",
+    "PIX": "PCIe, through at most one PCIe bridge",
+    "PXB": "PCIe, through several PCIe bridges (no host bridge)",
+    "PHB": "PCIe, through a host bridge (the CPU)",
+    "NODE": "PCIe and the interconnect between host bridges inside one NUMA node",
+    "SYS": "PCIe and the interconnect between NUMA nodes (e.g. UPI/QPI between sockets)",
+}
+
+
+def link_between(topology: str, a: int = 0, b: int = 1) -> str | None:
+    """The entry of ``nvidia-smi topo -m`` for GPUs ``a`` and ``b`` ('NV18', 'PIX', 'SYS', ...), or None."""
+    rows = [re.sub(r"\x1b\[[0-9;]*m", "", line).split() for line in topology.splitlines()]
+    header = next((r for r in rows if r and r[0] == "GPU0"), None)  # the header row starts with the first column
+    row = next((r for r in rows if r and r[0] == f"GPU{a}" and r is not header), None)
+    if header is None or row is None or f"GPU{b}" not in header:
+        return None
+    column = header.index(f"GPU{b}") + 1
+    return row[column] if column < len(row) else None
+
+
+#: NVLink GB/s per link and direction, by the GPU's compute capability (major): NVLink 1 on Pascal; NVLink 2, 3
+#: and 4 on Volta, Ampere and Hopper (25 GB/s per link and direction; e.g. H100/H200 SXM: 18 links, 450 GB/s each
+#: way, "900 GB/s" bidirectional in NVIDIA's datasheets); NVLink 5 on Blackwell (50 GB/s).
+NVLINK_GBPS_PER_LINK = {6: 20.0, 7: 25.0, 8: 25.0, 9: 25.0, 10: 50.0}
+
+
+def link_spec_gbps(entry: str | None, compute_capability: tuple[int, int] | None,
+                   pcie_gbps: float | None = None) -> tuple[float | None, str]:
+    """The specified bandwidth per direction of the link ``entry`` (from :func:`link_between`) and a phrase
+    saying what it is. NVLink: links × per-link rate of the generation; PCIe: ``pcie_gbps`` (the GPU's host
+    link, an upper bound for traffic between GPUs that crosses it)."""
+    if entry is None:
+        return None, "unknown link (nvidia-smi topo -m gave no entry)"
+    match = re.fullmatch(r"NV(\d+)", entry)
+    if match:
+        links = int(match.group(1))
+        per_link = NVLINK_GBPS_PER_LINK.get(compute_capability[0]) if compute_capability else None
+        if per_link is None:
+            return None, f"{links} NVLinks of an unknown generation"
+        return links * per_link, f"{links} NVLinks × {per_link:.0f} GB/s per direction"
+    what = TOPOLOGY_LEGEND.get(entry, f"'{entry}'")
+    if pcie_gbps:
+        return pcie_gbps, f"{what}; bounded by each GPU's PCIe link, {pcie_gbps:.1f} GB/s per direction"
+    return None, what
