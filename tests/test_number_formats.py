@@ -66,3 +66,17 @@ def test_rows_for_a_table():
 def test_bad_values_are_refused_with_the_reason(bad):
     with pytest.raises(ValueError, match="finite number|a number is needed"):
         nf.stored_as(bad)
+
+
+def test_round_mantissa_matches_bf16_and_rounds_ties_to_even():
+    x = torch.randn(10_000, generator=torch.Generator().manual_seed(0)) * 100
+    assert torch.equal(nf.round_mantissa(x, 7), x.to(torch.bfloat16).float())
+    ties = torch.tensor([1 + 2**-11, 1 + 3 * 2**-11, -(1 + 2**-11)])
+    assert nf.round_mantissa(ties, 10).tolist() == [1.0, 1 + 2**-9, -1.0]
+    assert torch.equal(nf.round_mantissa(x, 23), x)
+    with pytest.raises(ValueError, match="between 0 and 23"):
+        nf.round_mantissa(x, 24)
+
+
+def test_unit_roundoff():
+    assert nf.unit_roundoff(10) == 2**-11 and math.isclose(nf.unit_roundoff(23), 2**-24)

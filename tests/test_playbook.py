@@ -1,12 +1,12 @@
 """utils.playbook: the tips, the diagnosis of a profiled step, findings and their verdicts, idle gaps, rounding."""
 
-import math
 
 import matplotlib.figure
 import pytest
 import torch
 
 from utils import bench, playbook, profile
+from utils import number_formats as nf
 
 
 def gpu_profile(wall_us, kernels, *, on_gpu=True):
@@ -38,6 +38,9 @@ def test_conv_kernels_are_told_apart_from_matmuls():
     assert playbook.kind_of_kernel("sm90_xmma_gemm_bf16bf16_bf16f32") == "matmul"
     assert playbook.kind_of_kernel("void convert_fp32_to_bf16_kernel") == "other"
     assert playbook.kind_of_kernel("flash_fwd_kernel") == "attention"
+    assert playbook.kind_of_kernel("void fft2d_r2c_32x32<float, false, 1u, false>") == "conv"  # cuDNN's FFT algorithm
+    assert playbook.kind_of_kernel("void flip_filter<float, float>") == "conv"
+    assert playbook.kind_of_kernel("void nchwToNhwcKernel<__nv_bfloat16>") == "other"  # a layout conversion
 
 
 def test_diagnose_launch_bound_step_names_cuda_graphs():
@@ -114,6 +117,36 @@ def test_findings_rows_print_and_chart(capsys):
     assert isinstance(findings.chart(title="t"), matplotlib.figure.Figure)
 
 
+def test_measured_for_names_where_a_tip_was_timed(capsys):
+    findings = playbook.Findings()
+    slow = bench.compare(timing("eager", 1e-3), timing("compiled", 2e-3))
+    findings.measured("compile", slow, label="torch.compile · MLP", workload="MLP")
+    findings.skipped("compile", "too slow on a CPU", label="torch.compile · Transformer", workload="Transformer")
+    findings.measured("tf32", bench.compare(timing("fp32", 3e-3), timing("tf32", 1e-3)), label="TF32 · matmul")
+    findings.measured("cuda_graphs", slow, label="CUDA graphs · partial", workload="MLP")
+    findings.measured("cuda_graphs", bench.compare(timing("eager", 3e-3), timing("graph", 1e-3)),
+                      label="CUDA graphs · whole step", workload="MLP")
+    capsys.readouterr()
+    assert findings.measured_for("compile", "MLP") == "torch.compile · MLP: 2.00× slower"  # its own, nothing else
+    assert findings.measured_for("compile", "Transformer") == (
+        "not timed on Transformer; torch.compile · MLP: 2.00× slower")
+    assert findings.measured_for("tf32", "Transformer") == "not timed on Transformer; TF32 · matmul: 3.00× faster"
+    assert findings.measured_for("cuda_graphs", "MLP") == (
+        "CUDA graphs · partial: 2.00× slower; CUDA graphs · whole step: 3.00× faster")
+    assert findings.measured_for("sdpa", "MLP") == "not timed in this run"
+    assert findings["torch.compile · MLP"].workload == "MLP" and findings["TF32 · matmul"].workload is None
+    with pytest.raises(KeyError, match="no tip"):
+        findings.measured_for("turbo", "MLP")
+
+
+def test_step_row_splits_convolutions_from_matmuls():
+    p = gpu_profile(1000, [("sm90_xmma_fprop_implicit_gemm_bf16", 2, 200.0), ("nvjet_hsh_128x256", 1, 100.0),
+                           ("vectorized_elementwise_kernel", 10, 10.0)])
+    row = playbook.step_row(p, "NCHW")
+    assert row["step"] == "NCHW" and p.summary_row("x")["matmul"] == "500 µs"  # summary_row counts convs as matmuls
+    assert (row["conv"], row["matmul"], row["attention"], row["other"]) == ("400 µs", "100 µs", "0 ns", "100 µs")
+
+
 def test_findings_bad_input_is_a_clear_error():
     findings = playbook.Findings()
     with pytest.raises(ValueError, match="no findings"):
@@ -144,20 +177,9 @@ def test_annotation_ranges_of_a_cpu_profile():
     assert [name for name, _, _ in ranges] == ["my_range"] and ranges[0][1] < ranges[0][2]
 
 
-def test_round_mantissa_matches_bf16_and_rounds_ties_to_even():
-    x = torch.randn(10_000, generator=torch.Generator().manual_seed(0)) * 100
-    assert torch.equal(playbook.round_mantissa(x, 7), x.to(torch.bfloat16).float())
-    ties = torch.tensor([1 + 2**-11, 1 + 3 * 2**-11, -(1 + 2**-11)])
-    assert playbook.round_mantissa(ties, 10).tolist() == [1.0, 1 + 2**-9, -1.0]
-    assert torch.equal(playbook.round_mantissa(x, 23), x)
-    with pytest.raises(ValueError, match="between 0 and 23"):
-        playbook.round_mantissa(x, 24)
-
-
-def test_relative_error_and_unit_roundoff():
+def test_relative_error():
     ref = torch.tensor([3.0, 4.0], dtype=torch.float64)
     assert playbook.relative_error(torch.tensor([3.0, 4.5]), ref) == pytest.approx(0.1)
-    assert playbook.unit_roundoff(10) == 2**-11 and math.isclose(playbook.unit_roundoff(23), 2**-24)
     with pytest.raises(ValueError, match="shapes differ"):
         playbook.relative_error(torch.zeros(3), ref)
 
@@ -199,7 +221,7 @@ def test_tf32_matmul_error_is_of_the_class_of_rounding_to_10_bits():
     gen = torch.Generator(device="cuda").manual_seed(0)
     a, b = (torch.randn(1024, 1024, device="cuda", generator=gen) for _ in range(2))
     exact = a.double() @ b.double()
-    a10, b10 = (playbook.round_mantissa(t, 10).double() for t in (a, b))
+    a10, b10 = (nf.round_mantissa(t, 10).double() for t in (a, b))
     emulated = playbook.relative_error(a10 @ b10, exact)
     previous = torch.get_float32_matmul_precision()
     try:
@@ -209,3 +231,68 @@ def test_tf32_matmul_error_is_of_the_class_of_rounding_to_10_bits():
         torch.set_float32_matmul_precision(previous)
     fp32 = playbook.relative_error(a @ b, exact)  # "highest" again
     assert 10 * fp32 < tf32 < 10 * emulated  # reduced precision, of TF32's class (the notebook asserts the upper bound)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_real_cudnn_convolution_kernels_are_classed_as_conv():
+    """The kernels cuDNN really runs for a convolution's forward and backward (NCHW and channels_last, fp32 and
+    16-bit) must land in the conv class, or diagnose() and the notebook's conv shares would call them matmuls."""
+    dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    for memory_format in (torch.contiguous_format, torch.channels_last):
+        for amp in (None, dtype):
+            # convolution-heavy: 2·64·14²·512²·9 ≈ 59 GFLOP forward and as much for each gradient, against
+            # elementwise work on 6.4 M outputs
+            conv = torch.nn.Conv2d(512, 512, 3, padding=1).cuda().to(memory_format=memory_format)
+            x = torch.randn(64, 512, 14, 14, device="cuda").contiguous(memory_format=memory_format)
+            x.requires_grad_(True)  # the input's gradient too (dgrad kernels), not only the weight's (wgrad)
+
+            def step(conv=conv, x=x, amp=amp):
+                with torch.autocast("cuda", dtype=amp or torch.float32, enabled=amp is not None):
+                    conv(x).float().square().mean().backward()
+
+            prof = profile.profile_steps(step, steps=3, device="cuda")
+            kinds = playbook.time_by_class(prof)
+            names = sorted({k.name[:80] for k in prof.kernels})
+            assert kinds["conv"] >= 0.5 * sum(kinds.values()), f"{memory_format}, {amp}: {kinds}; kernels: {names}"
+            row = playbook.step_row(prof, "conv")
+            assert row["conv"] != "0 ns" and set(row) >= {"conv", "matmul", "attention", "other", "idle"}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_round_mantissa_and_relative_error_on_the_gpu():
+    x = torch.randn(10_000, generator=torch.Generator().manual_seed(1)) * 100
+    on_gpu = nf.round_mantissa(x.cuda(), 7)
+    assert on_gpu.is_cuda and torch.equal(on_gpu.cpu(), nf.round_mantissa(x, 7))
+    assert torch.equal(nf.round_mantissa(x.cuda(), 10).cpu(), nf.round_mantissa(x, 10))
+    ref = x.double()
+    err = playbook.relative_error(x.cuda().to(torch.bfloat16), ref)  # result on the GPU, reference on the CPU
+    assert 0 < err < nf.unit_roundoff(7) and err == pytest.approx(playbook.relative_error(
+        x.to(torch.bfloat16), ref))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_idle_gaps_and_ranges_of_a_step_with_a_forced_host_stall():
+    """A step that sleeps on the host between two annotated ranges leaves an idle gap on the GPU at least that
+    long, found by idle_gaps and placed after the first range."""
+    import time
+
+    a = torch.randn(256, 256, device="cuda")
+
+    def step():
+        with torch.profiler.record_function("before"):
+            a @ a
+        torch.cuda.synchronize()
+        time.sleep(0.005)
+        with torch.profiler.record_function("after"):
+            a @ a
+
+    step()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as raw:
+        step()
+        torch.cuda.synchronize()
+    ranges = playbook.annotation_ranges(raw, on_gpu=True)
+    assert {name for name, _, _ in ranges} >= {"before", "after"}
+    longest = playbook.idle_gaps(profile.gpu_kernels(raw), ranges=ranges, top=1)[0]
+    # it begins where "before" ends (at its boundary, or just inside by rounding), never inside "after"
+    assert longest.duration_us >= 4_000 and longest.inside in (None, "before")

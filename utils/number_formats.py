@@ -5,7 +5,8 @@ overflows or underflows — for fp32, TF32, fp16, bf16 and (where the installed 
 
 Every format but TF32 is a real cast (``torch.tensor(value, dtype=float64).to(dtype)``, round to nearest even, as
 the GPU's conversions do); TF32 is not a storage type — the tensor cores read fp32 inputs with 10 of their 23
-mantissa bits — so it is emulated by rounding the fp32 value's mantissa (:func:`utils.playbook.round_mantissa`).
+mantissa bits — so it is emulated by rounding the fp32 value's mantissa (:func:`round_mantissa`, which also
+emulates any such format on whole tensors, e.g. a matmul's inputs in notebook 07).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["FORMATS", "Format", "Stored", "stored_as", "stored_values"]
+__all__ = ["FORMATS", "Format", "Stored", "round_mantissa", "stored_as", "stored_values", "unit_roundoff"]
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,30 @@ class Stored:
                 "smallest normal": f"{info.smallest_normal:.3g}"}
 
 
+def round_mantissa(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """``x`` as float32 with its mantissa rounded (to nearest, ties to even) to ``bits`` explicit bits: what a
+    format with fp32's exponent range and ``bits`` mantissa bits holds (TF32: 10, bf16: 7). Finite inputs only.
+
+    Raises:
+        ValueError: for ``bits`` outside 0..23.
+    """
+    if not 0 <= bits <= 23:
+        raise ValueError(f"bits must be between 0 and 23 (fp32 has 23 explicit mantissa bits), got {bits}")
+    x = x.detach().to(torch.float32).contiguous()
+    drop = 23 - bits
+    if drop == 0:
+        return x.clone()
+    raw = x.view(torch.int32)
+    lowest_kept = (raw >> drop) & 1
+    rounded = (raw + ((1 << (drop - 1)) - 1) + lowest_kept) & ~((1 << drop) - 1)
+    return rounded.view(torch.float32)
+
+
+def unit_roundoff(bits: int) -> float:
+    """2^-(bits + 1): the largest relative error of rounding to nearest with ``bits`` explicit mantissa bits."""
+    return math.ldexp(1.0, -(bits + 1))
+
+
 def _largest(fmt: Format, info: torch.finfo) -> float:
     if fmt.name == "tf32":  # fp32's exponent, 10 mantissa bits
         return (2 - 2.0 ** -10) * 2.0 ** 127
@@ -72,8 +97,6 @@ def _largest(fmt: Format, info: torch.finfo) -> float:
 def _store(value: float, fmt: Format) -> float:
     x = torch.tensor(value, dtype=torch.float64).to(fmt.dtype)
     if fmt.name == "tf32" and x.isfinite():
-        from utils.playbook import round_mantissa
-
         x = round_mantissa(x, fmt.mantissa_bits)
     return x.to(torch.float64).item()
 

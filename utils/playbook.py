@@ -16,7 +16,6 @@ On a CPU only the tips that exist there are named.
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import re
 from collections.abc import Iterator, Sequence
@@ -25,7 +24,7 @@ from typing import Literal
 
 import torch
 
-from utils.bench import Comparison
+from utils.bench import Comparison, format_seconds
 from utils.profile import Kernel, StepProfile, kind_of
 
 
@@ -76,8 +75,9 @@ TIPS_FOR: dict[str, tuple[str, ...]] = {
     "overhead": ("compile",),
 }
 
-#: Convolution kernels (cuDNN's implicit-GEMM and Winograd kernels, its fprop/dgrad/wgrad names) and operators.
-CONV = re.compile(r"conv(?!ert)|fprop|dgrad|wgrad|winograd|implicit_(?:gemm|convolve)", re.IGNORECASE)
+#: Convolution kernels (cuDNN's implicit-GEMM, Winograd and FFT kernels, its fprop/dgrad/wgrad names) and operators.
+CONV = re.compile(r"conv(?!ert)|fprop|dgrad|wgrad|winograd|implicit_(?:gemm|convolve)|fft2d_|flip_filter",
+                  re.IGNORECASE)
 
 
 def kind_of_kernel(name: str) -> str:
@@ -91,6 +91,15 @@ def time_by_class(profile: StepProfile) -> dict[str, float]:
     for k in profile.kernels:
         out[kind_of_kernel(k.name)] += k.duration_us / 1e6 / profile.steps
     return out
+
+
+def step_row(profile: StepProfile, label: str) -> dict[str, object]:
+    """``profile.summary_row(label)`` with convolutions in a column of their own: :meth:`StepProfile.time_by_kind`
+    counts cuDNN's implicit-GEMM convolution kernels (``xmma_fprop_implicit_gemm``, ...) as matmuls."""
+    row = profile.summary_row(label)
+    for kind in ("matmul", "attention", "other"):
+        row.pop(kind, None)
+    return row | {kind: format_seconds(seconds) for kind, seconds in time_by_class(profile).items()}
 
 
 @dataclass(frozen=True)
@@ -184,6 +193,7 @@ class Finding:
     measured: str
     holds: str
     comparison: Comparison | None = None
+    workload: str | None = None  # the model it was measured on ("MLP", ...); None for a benchmark of its own
 
 
 class Findings:
@@ -202,27 +212,46 @@ class Findings:
         return TIPS[key]
 
     def measured(self, key: str, comparison: Comparison, *, label: str | None = None, why: str | None = None,
-                 expected: Literal["faster", "slower", "same"] = "faster") -> Finding:
+                 expected: Literal["faster", "slower", "same"] = "faster", workload: str | None = None) -> Finding:
         """Record a measured claim and print its verdict (with ``why``, the measured reason, when the expectation
-        fails)."""
+        fails). ``workload`` names the model it was measured on, if any (see :meth:`measured_for`)."""
         if not isinstance(comparison, Comparison):
             raise TypeError(f"measured() takes a utils.bench.Comparison, got {type(comparison).__name__}")
         tip = self._tip(key)
         print(comparison.explain(expected, why=why))
         return self._add(Finding(tip, label or tip.name, comparison.short, holds(comparison, tip, expected),
-                                 comparison))
+                                 comparison, workload))
 
-    def observed(self, key: str, measured: str, holds: str, *, label: str | None = None) -> Finding:
+    def observed(self, key: str, measured: str, holds: str, *, label: str | None = None,
+                 workload: str | None = None) -> Finding:
         """Record a claim about behaviour (not speed), with what was seen and whether it held."""
         tip = self._tip(key)
-        return self._add(Finding(tip, label or tip.name, measured, holds))
+        return self._add(Finding(tip, label or tip.name, measured, holds, workload=workload))
 
-    def skipped(self, key: str, reason: str, *, label: str | None = None) -> Finding:
+    def skipped(self, key: str, reason: str, *, label: str | None = None, workload: str | None = None) -> Finding:
         """Record a claim not measured on this device, and print why."""
         tip = self._tip(key)
-        finding = self._add(Finding(tip, label or tip.name, f"skipped: {reason}", "not measured here"))
+        finding = self._add(Finding(tip, label or tip.name, f"skipped: {reason}", "not measured here",
+                                    workload=workload))
         print(f"{finding.label}: skipped — {reason}")
         return finding
+
+    def measured_for(self, key: str, workload: str) -> str:
+        """What this run timed of tip ``key`` on ``workload``, for a "measured here" column: that workload's own
+        verdicts, each with its label ("torch.compile · MLP: 1.29× faster"); else a clear "not timed on <workload>"
+        followed by what was timed elsewhere, each labelled ("torch.compile · MLP: 1.61× slower"); or "not timed in
+        this run".
+
+        Raises:
+            KeyError: for an unknown tip.
+        """
+        self._tip(key)
+        timed = [f for f in self if f.tip.key == key and f.comparison is not None]
+        own = [f for f in timed if f.workload == workload]
+        labelled = "; ".join(f"{f.label}: {f.measured}" for f in own or timed)
+        if own:
+            return labelled
+        return f"not timed on {workload}; {labelled}" if timed else "not timed in this run"
 
     def __getitem__(self, label: str) -> Finding:
         return self._found[label]
@@ -355,27 +384,3 @@ def relative_error(result: torch.Tensor, reference: torch.Tensor) -> float:
     ref = reference.detach().double()
     diff = result.detach().to(ref.device, torch.float64) - ref
     return (diff.norm() / ref.norm().clamp_min(1e-300)).item()
-
-
-def round_mantissa(x: torch.Tensor, bits: int) -> torch.Tensor:
-    """``x`` as float32 with its mantissa rounded (to nearest, ties to even) to ``bits`` explicit bits: what a
-    format with fp32's exponent range and ``bits`` mantissa bits holds (TF32: 10, bf16: 7). Finite inputs only.
-
-    Raises:
-        ValueError: for ``bits`` outside 0..23.
-    """
-    if not 0 <= bits <= 23:
-        raise ValueError(f"bits must be between 0 and 23 (fp32 has 23 explicit mantissa bits), got {bits}")
-    x = x.detach().to(torch.float32).contiguous()
-    drop = 23 - bits
-    if drop == 0:
-        return x.clone()
-    raw = x.view(torch.int32)
-    lowest_kept = (raw >> drop) & 1
-    rounded = (raw + ((1 << (drop - 1)) - 1) + lowest_kept) & ~((1 << drop) - 1)
-    return rounded.view(torch.float32)
-
-
-def unit_roundoff(bits: int) -> float:
-    """2^-(bits + 1): the largest relative error of rounding to nearest with ``bits`` explicit mantissa bits."""
-    return math.ldexp(1.0, -(bits + 1))

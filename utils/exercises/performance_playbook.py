@@ -13,7 +13,8 @@ import math
 import torch
 
 from utils.exercises import Miss, exercise
-from utils.playbook import relative_error, round_mantissa
+from utils.number_formats import round_mantissa
+from utils.playbook import relative_error
 from utils.profile import Kernel, StepProfile
 
 _TIP_KEYS = ("cuda_graphs", "tf32", "sdpa", "compile")
