@@ -74,6 +74,22 @@ def test_sampled_generation_is_reproducible_and_top_1_is_greedy():
         gpt2.generate_cached(model, idx, 0, gpt2.DynamicKVCache())
 
 
+def test_is_greedy_accepts_the_argmax_and_rejects_another_token():
+    config = gpt2.GPT2Config.tiny()
+    torch.manual_seed(0)
+    model = gpt2.GPT2(config).eval()
+    idx = torch.randint(0, config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(4))
+    tokens = gpt2.generate_recompute(model, idx, 10)
+    assert gpt2.is_greedy(model, tokens, 6)
+    with torch.no_grad():
+        worst = model(tokens[:, :8])[:, -1].argmin(dim=-1)  # the least likely token at position 8
+    wrong = tokens.clone()
+    wrong[:, 8] = worst
+    assert not gpt2.is_greedy(model, wrong, 6)
+    with pytest.raises(ValueError, match="prompt_len must be between 1 and 15"):
+        gpt2.is_greedy(model, tokens, 16)
+
+
 def test_static_cache_step_logits_match_the_full_forward():
     config = gpt2.GPT2Config.tiny()
     torch.manual_seed(0)

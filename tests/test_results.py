@@ -26,3 +26,12 @@ def test_record_accepts_tensor_scalars():
 def test_record_rejects_bad_figures(name, value, unit):
     with pytest.raises(ValueError):
         results.record(name, value, unit)
+
+
+def test_reference_results_reads_every_gpus_file(tmp_path):
+    (tmp_path / "h200.json").write_text('{"00_install_check": {"copy_gbps": {"value": 4261.0, "unit": "GB/s"}}}')
+    (tmp_path / "a100.json").write_text("{}")
+    (tmp_path / "notes.txt").write_text("not a results file")
+    found = results.reference_results(tmp_path)
+    assert list(found) == ["a100", "h200"] and found["h200"]["00_install_check"]["copy_gbps"]["value"] == 4261.0
+    assert results.reference_results(tmp_path / "missing") == {}

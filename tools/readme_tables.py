@@ -11,7 +11,6 @@ address in pyproject.toml). Headline figures come only from results files writte
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import sys
 from pathlib import Path
@@ -19,6 +18,7 @@ from pathlib import Path
 import nbformat
 
 from tools import course
+from utils.results import reference_results
 
 README = course.ROOT / "README.md"
 RESULTS_DIR = course.ROOT / "results"
@@ -63,10 +63,20 @@ NOTEBOOKS: dict[str, tuple[str, str]] = {
         "GPT-2 batch 1: {gpt2_tok_s_guide_loop:,.0f} → {gpt2_tok_s_best:,.0f} tokens/s "
         "({gpt2_best_pct_copy_bandwidth:.0f}% of copy bandwidth)",
     ),
+    "09_benchmarks": (
+        "the guide's benchmark table on your GPU: its settings, the best the course teaches, the limits, JPEG input",
+        "ResNet-50 {resnet50_train_img_s_best:,.0f} img/s · BERT-Large {bert_large_sent_s_best:,.0f} sent/s · "
+        "GPT-2 {gpt2_tok_s_best:,.0f} tok/s · compile {compile_speedup_min:.2f}–{compile_speedup_max:.2f}×",
+    ),
     "07_performance_playbook": (
         "every tip of the performance guides checked on your GPU, and the profiler that says which to try",
         "TF32 matmul {tf32_matmul_speedup:.1f}× · channels_last {channels_last_speedup_resnet50:.2f}× · "
         "CUDA graphs {cuda_graphs_speedup:.1f}×",
+    ),
+    "10_multi_gpu": (
+        "torchrun, NCCL all-reduce vs the link, DDP scaling and its options, no_sync, FSDP2 memory, DCP checkpoints",
+        "all-reduce {allreduce_busbw_gbps:,.0f} GB/s bus · DDP 2 GPUs {ddp_scaling_2gpu:.2f}× · "
+        "FSDP2 peak memory {fsdp_peak_mem_ratio_vs_ddp:.2f}× DDP",
     ),
 }
 
@@ -80,7 +90,7 @@ def notebook_title(path: Path) -> str:
 
 def load_results(results_dir: Path = RESULTS_DIR) -> dict[str, dict[str, dict[str, dict[str, object]]]]:
     """``{gpu slug: {notebook stem: {name: {"value", "unit"}}}}`` from every results file."""
-    return {p.stem: json.loads(p.read_text()) for p in sorted(results_dir.glob("*.json"))}
+    return reference_results(results_dir)
 
 
 def headline(stem: str, figures: dict[str, dict[str, object]] | None) -> str:

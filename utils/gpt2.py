@@ -289,6 +289,26 @@ def generate_cached(model: GPT2, idx: torch.Tensor, new_tokens: int, cache, *, t
     return torch.cat([idx, *tokens], dim=1)
 
 
+@torch.inference_mode()
+def is_greedy(model: GPT2, tokens: torch.Tensor, prompt_len: int, *, rel: float = 2e-2) -> bool:
+    """Whether every token after the first ``prompt_len`` of ``tokens`` [B, T] is ``model``'s greedy choice, up to
+    16-bit rounding: ``model`` recomputes the logits of the sequence itself (in its own dtype, compared in fp32), and
+    each chosen token's logit must lie within ``rel`` × the largest logit's magnitude (+ 1e-3) of the best one at its
+    position. A variant that decodes in 16 bits may pick a near-tie differently; a wrong cache or position lands
+    far off.
+
+    Raises:
+        ValueError: if ``prompt_len`` leaves no new token, or none of the prompt, in ``tokens``.
+    """
+    if not 0 < prompt_len < tokens.shape[1]:
+        raise ValueError(f"prompt_len must be between 1 and {tokens.shape[1] - 1} for {tokens.shape[1]} tokens, "
+                         f"got {prompt_len}")
+    logits = model(tokens[:, :-1])[:, prompt_len - 1:].float()
+    chosen = logits.gather(-1, tokens[:, prompt_len:, None]).squeeze(-1)
+    best = logits.max(dim=-1).values
+    return bool(((best - chosen) <= rel * logits.abs().max(dim=-1).values + 1e-3).all())
+
+
 class StaticDecoder:
     """Greedy decoding with a :class:`StaticKVCache` where one decode step is one call of ``step()`` — and, on a
     GPU, one replay of a CUDA graph that holds the whole step: the model's forward for the last token, the argmax,

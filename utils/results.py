@@ -8,9 +8,11 @@ Jupyter the figure is displayed as a one-line output that also carries a machine
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 MIME_TYPE = "application/vnd.pytorch-cuda-course.result+json"
 _NAME = re.compile(r"^[a-z][a-z0-9_]*$")
@@ -51,6 +53,12 @@ def record(name: str, value: float, unit: str) -> None:
     result = Result(name, value, unit.strip())
     RECORDED[name] = result
     _show(result)
+
+
+def reference_results(results_dir: str | Path) -> dict[str, dict[str, dict[str, dict[str, object]]]]:
+    """Every reference run's figures, as ``tools/reference_run.py`` wrote them into ``results_dir/<gpu>.json``:
+    ``{gpu: {notebook stem: {name: {"value": ..., "unit": ...}}}}``, GPUs in name order (empty without files)."""
+    return {p.stem: json.loads(p.read_text()) for p in sorted(Path(results_dir).glob("*.json"))}
 
 
 def _show(result: Result) -> None:
