@@ -1,0 +1,158 @@
+"""utils.input_pipeline: synthetic JPEGs, CPU and GPU decode + augment, workers needed, normalisation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from utils import input_pipeline as ip
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.fixture(scope="module")
+def jpegs():
+    return ip.synthetic_jpegs(6, height=120, width=160, seed=1)
+
+
+def test_synthetic_jpegs_decode_to_the_size_and_compress_like_photos():
+    encoded = ip.synthetic_jpegs(3)
+    images = ip.decode_batch(encoded, "cpu")
+    assert images.shape == (3, 3, ip.DEFAULT_HEIGHT, ip.DEFAULT_WIDTH) and images.dtype == torch.uint8
+    raw = 3 * ip.DEFAULT_HEIGHT * ip.DEFAULT_WIDTH
+    sizes = [e.numel() for e in encoded]
+    assert all(raw / 40 < s < raw / 3 for s in sizes), f"not photo-like compression: {sizes} bytes of {raw}"
+    assert images.float().std() > 20, "the images should have colour variation, not be flat"
+
+
+def test_synthetic_jpegs_are_deterministic_per_seed(jpegs):
+    again = ip.synthetic_jpegs(6, height=120, width=160, seed=1)
+    assert all(torch.equal(a, b) for a, b in zip(jpegs, again, strict=True))
+    assert not torch.equal(ip.synthetic_jpegs(1, height=120, width=160, seed=2)[0], jpegs[0])
+
+
+@pytest.mark.parametrize("kwargs", [{"count": 0}, {"count": 2, "height": 8}, {"count": 2, "quality": 0},
+                                    {"count": 2, "quality": 101}])
+def test_synthetic_jpegs_bad_input(kwargs):
+    with pytest.raises(ValueError, match="synthetic_jpegs"):
+        ip.synthetic_jpegs(**kwargs)
+
+
+def test_jpeg_files_dataset_reads_decodes_and_augments(tmp_path, jpegs):
+    paths = ip.write_jpegs(jpegs, tmp_path / "jpegs")
+    assert [p.name for p in paths][:2] == ["000000.jpg", "000001.jpg"] and all(p.is_file() for p in paths)
+    assert all(torch.equal(a, b) for a, b in zip(ip.read_jpegs(paths), jpegs, strict=True))
+    data = ip.JpegFiles(paths, size=64, length=10)
+    assert len(data) == 10
+    image, label = data[9]  # past the number of files: cycles
+    assert image.shape == (3, 64, 64) and image.dtype == torch.uint8 and 0 <= label < 1000
+    loader = torch.utils.data.DataLoader(data, batch_size=5, num_workers=0)
+    x, y = next(iter(loader))
+    assert x.shape == (5, 3, 64, 64) and y.shape == (5,)
+
+
+def test_jpeg_files_bad_input(tmp_path):
+    with pytest.raises(ValueError, match="at least one file"):
+        ip.JpegFiles([])
+    with pytest.raises(ValueError, match="size"):
+        ip.JpegFiles([tmp_path / "a.jpg"], size=2)
+
+
+def test_one_worker_timing_counts_items(tmp_path, jpegs):
+    data = ip.JpegFiles(ip.write_jpegs(jpegs, tmp_path), size=32)
+    timing = ip.one_worker_timing(data, items=4, min_run_time=0.05)
+    assert timing.median_s > 0 and timing.device == "cpu"
+    assert torch.get_num_threads() >= 1
+    with pytest.raises(ValueError, match="items"):
+        ip.one_worker_timing(data, items=0)
+
+
+def test_workers_needed():
+    assert ip.workers_needed(1000, 300) == 4  # 3 workers give 900/s: one more is needed
+    assert ip.workers_needed(900, 300) == 3
+    assert ip.workers_needed(10, 300) == 1
+    with pytest.raises(ValueError, match="positive"):
+        ip.workers_needed(0, 100)
+    with pytest.raises(ValueError, match="positive"):
+        ip.workers_needed(100, math.nan)
+
+
+def test_random_crop_boxes_lie_inside_and_follow_the_scale_and_ratio():
+    gen = torch.Generator().manual_seed(0)
+    boxes = ip.random_crop_boxes(4000, 300, 400, generator=gen)
+    x1, y1, x2, y2 = boxes.unbind(1)
+    assert (x1 >= 0).all() and (y1 >= 0).all() and (x2 <= 400 + 1e-3).all() and (y2 <= 300 + 1e-3).all()
+    area = (x2 - x1) * (y2 - y1) / (300 * 400)
+    assert area.min() > 0.08 * 0.74 and area.max() <= 1 + 1e-5  # clamping can only shrink a box
+    aspect = (x2 - x1) / (y2 - y1)
+    unclamped = (x2 - x1 < 399) & (y2 - y1 < 299)
+    assert ((aspect[unclamped] > 0.75 - 1e-4) & (aspect[unclamped] < 4 / 3 + 1e-4)).all()
+    assert 0.4 < area.mean() < 0.65  # uniform area fraction in [0.08, 1]: mean 0.54, less where clamped
+    again = ip.random_crop_boxes(4000, 300, 400, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(boxes, again)
+
+
+def test_crop_resize_flip_whole_image_is_identity_and_flip_mirrors():
+    images = torch.rand(3, 3, 20, 30) * 255
+    whole = torch.tensor([[0.0, 0.0, 30.0, 20.0]] * 3)
+    same = ip.crop_resize_flip(images[:, :, :, :20], torch.tensor([[0.0, 0.0, 20.0, 20.0]] * 3), 20,
+                               torch.zeros(3, dtype=torch.bool))
+    torch.testing.assert_close(same, images[:, :, :, :20], atol=1e-3, rtol=1e-5)
+    flipped = ip.crop_resize_flip(images[:, :, :, :20], torch.tensor([[0.0, 0.0, 20.0, 20.0]] * 3), 20,
+                                  torch.tensor([True, False, True]))
+    torch.testing.assert_close(flipped[0], images[0, :, :, :20].flip(-1), atol=1e-3, rtol=1e-5)
+    torch.testing.assert_close(flipped[1], images[1, :, :, :20], atol=1e-3, rtol=1e-5)
+    shrunk = ip.crop_resize_flip(images, whole, 10, torch.zeros(3, dtype=torch.bool))
+    assert shrunk.shape == (3, 3, 10, 10)
+    torch.testing.assert_close(shrunk.mean(dim=(2, 3)), images.mean(dim=(2, 3)), atol=3.0, rtol=0.05)
+    with pytest.raises(ValueError, match="boxes"):
+        ip.crop_resize_flip(images, whole[:2], 10, torch.zeros(3, dtype=torch.bool))
+
+
+def test_gpu_decode_augment_on_cpu(jpegs):
+    gen = torch.Generator().manual_seed(0)
+    out = ip.gpu_decode_augment(jpegs[:4], size=48, device="cpu", generator=gen)
+    assert out.shape == (4, 3, 48, 48) and out.dtype == torch.float32
+    assert out.min() >= 0 and out.max() <= 255.0 + 1e-3
+
+
+def test_decode_batch_bad_input(jpegs):
+    with pytest.raises(ValueError, match="at least one"):
+        ip.decode_batch([], "cpu")
+    other = ip.synthetic_jpegs(1, height=64, width=64)[0]
+    with pytest.raises(ValueError, match="different sizes"):
+        ip.decode_batch([jpegs[0], other], "cpu")
+
+
+def test_normalize():
+    mean = torch.tensor(ip.IMAGENET_MEAN).view(1, 3, 1, 1) * 255
+    out = ip.normalize(mean.expand(2, 3, 4, 4).to(torch.uint8), dtype=torch.bfloat16,
+                       memory_format=torch.channels_last)
+    assert out.dtype == torch.bfloat16 and out.is_contiguous(memory_format=torch.channels_last)
+    assert out.float().abs().max() < 0.02  # the mean maps to 0 (uint8 rounding aside)
+    with pytest.raises(ValueError, match="RGB"):
+        ip.normalize(torch.zeros(2, 1, 4, 4))
+
+
+@needs_cuda
+def test_gpu_decode_matches_cpu_decode(jpegs):
+    device = torch.device("cuda")
+    on_gpu = ip.decode_batch(jpegs, device)
+    on_cpu = ip.decode_batch(jpegs, "cpu")
+    assert on_gpu.device.type == "cuda" and on_gpu.shape == on_cpu.shape
+    # nvJPEG and libjpeg-turbo may round the inverse DCT and upsampling differently: a few levels at most
+    assert (on_gpu.cpu().float() - on_cpu.float()).abs().mean() < 2.0
+
+
+@needs_cuda
+def test_gpu_decode_augment_on_cuda_is_reproducible(jpegs):
+    device = torch.device("cuda")
+    first = ip.gpu_decode_augment(jpegs, size=64, device=device,
+                                  generator=torch.Generator(device=device).manual_seed(3))
+    second = ip.gpu_decode_augment(jpegs, size=64, device=device,
+                                   generator=torch.Generator(device=device).manual_seed(3))
+    assert first.device.type == "cuda" and first.shape == (6, 3, 64, 64)
+    torch.testing.assert_close(first, second)
+    torch.testing.assert_close(ip.normalize(first).float().mean(), ip.normalize(first.cpu()).float().mean().to(device))
