@@ -23,6 +23,8 @@
 - ``playbook`` the performance tips of notebook 07: findings and their table, the profiler's diagnosis
 - ``distributed`` torchrun launches streamed into a notebook, process groups (NCCL / gloo), collective timing
 - ``exercises`` the self-checks of the notebooks' exercises
+- ``input_pipeline`` JPEG decoding and augmentation on CPU workers or the GPU (``import utils.input_pipeline``:
+  it loads torchvision's codecs, which the other notebooks do not need)
 """
 
 from utils import (
