@@ -377,3 +377,11 @@ def test_issue_table_puts_instructions_against_the_budget():
     row = bg.issue_table([launch], torch.empty(4000, dtype=torch.bfloat16), sm_count=2, copy_gbps=16.0)[0]
     assert (row["instructions / element"], row["per byte"], row["budget / element"]) == ("8.0", "2.0", "64")
     assert (row["registers"], row["issue busy"], row["SM clock"]) == (40, "12%", "1,000 MHz")
+
+
+def test_importing_utils_does_not_import_triton():
+    """Notebook 06 sets TRITON_INTERPRET=1 on a CPU after `import utils`; Triton reads it when it is first imported
+    (its library helpers are JIT functions made then), so no module that `import utils` loads may import Triton."""
+    code = "import sys, utils; sys.exit('triton' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, f"`import utils` imported Triton: {result.stderr[-500:]}"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode
 
 from utils.exercises import Miss, exercise
 
@@ -43,6 +42,10 @@ def _counted(rows: int, in_features: int, out_features: int) -> int:
     """What FlopCounterMode counts for one forward and backward pass of a bias-free Linear (input needs grad)."""
     layer = torch.nn.Linear(in_features, out_features, bias=False)
     x = torch.randn(rows, in_features, requires_grad=True)
+    # imported here: torch.utils.flop_counter imports Triton, and `import utils` must not (notebook 06 sets
+    # TRITON_INTERPRET=1 on a CPU before Triton is first imported)
+    from torch.utils.flop_counter import FlopCounterMode
+
     with FlopCounterMode(display=False) as counter:
         layer(x).sum().backward()
     return counter.get_total_flops()
