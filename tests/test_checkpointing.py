@@ -8,22 +8,13 @@ from contextlib import nullcontext
 import pytest
 import torch
 
-from utils import checkpointing, memory, models, train
+from tests.tiny_transformer import SMALL, small_lm
+from utils import checkpointing, memory, train
 
 MiB = 2**20
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-SMALL = models.TransformerConfig(vocab_size=512, d_model=64, nhead=4, num_layers=2, dim_feedforward=128, dropout=0.0)
-
-
-def _small_lm(seed=0):
-    torch.manual_seed(seed)
-    model = models.TransformerModel(SMALL)
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randint(0, SMALL.vocab_size, (4, 16), generator=gen)
-    y = torch.randint(0, SMALL.vocab_size, (4, 16), generator=gen)
-    return model, x, y
 
 
 ATEN = torch.ops.aten
@@ -37,7 +28,7 @@ def _grads(model, x, y):
 
 
 def test_op_counter_sees_the_matmuls_linear_decomposes_into():
-    model, x, _ = _small_lm()
+    model, x, _ = small_lm()
     with checkpointing.OpCounter() as ops:
         model(x)
     names = {checkpointing.op_name(op) for op in ops.matmuls()}
@@ -49,7 +40,7 @@ def test_op_counter_sees_the_matmuls_linear_decomposes_into():
 
 @pytest.mark.parametrize("save", [None, [ATEN.mm.default, ATEN.addmm.default]])
 def test_checkpointing_gives_the_same_gradients_and_counts_recomputation(save):
-    model, x, y = _small_lm()
+    model, x, y = small_lm()
     loss, grads = _grads(model, x, y)
     ac = checkpointing.ActivationCheckpointing(model.encoder.layers, save=save)
     with ac:
@@ -68,7 +59,7 @@ def test_checkpointing_gives_the_same_gradients_and_counts_recomputation(save):
 
 @pytest.mark.parametrize("wrong", [[ATEN.addmm, ATEN.mm], [ATEN.linear.default]])
 def test_a_policy_naming_ops_that_never_dispatch_recomputes_everything(wrong):
-    model, x, y = _small_lm()
+    model, x, y = small_lm()
     full = checkpointing.ActivationCheckpointing(model.encoder.layers)
     with full:
         _grads(model, x, y)
@@ -82,7 +73,7 @@ def test_a_policy_naming_ops_that_never_dispatch_recomputes_everything(wrong):
 
 
 def test_checkpointing_without_counting_records_nothing_and_computes_the_same():
-    model, x, y = _small_lm()
+    model, x, y = small_lm()
     loss, grads = _grads(model, x, y)
     for save in (None, [ATEN.mm.default, ATEN.addmm.default]):
         ac = checkpointing.ActivationCheckpointing(model.encoder.layers, save=save, counting=False)
@@ -101,7 +92,7 @@ def test_checkpointing_without_counting_records_nothing_and_computes_the_same():
 def test_checkpointing_bad_use():
     with pytest.raises(ValueError, match="at least one"):
         checkpointing.ActivationCheckpointing([])
-    model, x, _ = _small_lm()
+    model, x, _ = small_lm()
     ac = checkpointing.ActivationCheckpointing(model.encoder.layers)
     with ac, pytest.raises(RuntimeError, match="already replaced"), checkpointing.ActivationCheckpointing(
             model.encoder.layers):
@@ -117,7 +108,7 @@ def test_checkpointing_bad_use():
 @cuda
 def test_cuda_checkpointing_counts_what_the_backward_thread_recomputes():
     # On a GPU, backward (and so the recomputation) runs on autograd's device thread, not the caller's.
-    model, x, y = _small_lm()
+    model, x, y = small_lm()
     model, x, y = model.cuda(), x.cuda(), y.cuda()
     loss, grads = _grads(model, x, y)
     with checkpointing.OpCounter() as ops:
@@ -140,7 +131,7 @@ def test_cuda_checkpointing_counts_what_the_backward_thread_recomputes():
 
 @cuda
 def test_cuda_checkpointing_lowers_the_peak_of_a_step():
-    model, _, _ = _small_lm()
+    model, _, _ = small_lm()
     model = model.cuda()
     x = torch.randint(0, SMALL.vocab_size, (32, 128), device="cuda")
     peaks = {}

@@ -10,26 +10,17 @@ matplotlib.use("Agg")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from tests.tiny_transformer import SMALL, small_lm
 from utils import memory, memory_calculator, models, train  # noqa: E402
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-SMALL = models.TransformerConfig(vocab_size=512, d_model=64, nhead=4, num_layers=2, dim_feedforward=128, dropout=0.0)
-
-
-def _small_lm(seed=0):
-    torch.manual_seed(seed)
-    model = models.TransformerModel(SMALL)
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randint(0, SMALL.vocab_size, (4, 16), generator=gen)
-    y = torch.randint(0, SMALL.vocab_size, (4, 16), generator=gen)
-    return model, x, y
 
 
 @pytest.mark.parametrize("amp", [False, True])
 def test_transformer_activations_match_what_autograd_keeps_on_cpu(amp):
-    model, x, y = _small_lm()
+    model, x, y = small_lm()
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
         loss = train.lm_loss(model(x), y)
     kept = sum(s.nbytes for s in memory.saved_tensors_by_op(loss, exclude=list(model.parameters())))
@@ -64,7 +55,7 @@ def test_transformer_activations_shrink_with_each_technique():
     ("adafactor", lambda p: torch.optim.Adafactor(p)),
 ])
 def test_optimizer_state_bytes_equals_what_the_optimizer_allocates(name, make):
-    model, x, y = _small_lm()
+    model, x, y = small_lm()
     optimizer = make(model.parameters())
     train.lm_loss(model(x), y).backward()
     optimizer.step()
@@ -96,7 +87,7 @@ def test_predict_training_memory_parts_and_peak():
     tiny = memory_calculator.predict_training_memory(100, optimizer="sgd")
     assert tiny.peak == tiny.static == 800  # the end of backward: weights and gradients
     assert "predicted peak" in str(p) and "optimizer state" in p.parts
-    model, _, _ = _small_lm()
+    model, _, _ = small_lm()
     assert memory_calculator.predict_training_memory(model).weights == 4 * models.count_parameters(model)
     with pytest.raises(ValueError):
         memory_calculator.predict_training_memory(10, activations=-1)
@@ -154,7 +145,7 @@ def test_cuda_transformer_activations_match_what_autograd_keeps(amp):
     # The docstring's claim on a GPU: to the byte with FlashAttention-style kernels; the memory-efficient kernel
     # (fp32) keeps one more N×D copy per layer. Allowed on top: attention kernels pad the log-sum-exp to 32
     # positions and keep two RNG-state scalars.
-    model, x, y = _small_lm()
+    model, x, y = small_lm()
     model, x, y = model.cuda(), x.cuda(), y.cuda()
     dtype = torch.bfloat16 if torch.cuda.get_device_capability() >= (8, 0) else torch.float16
     with torch.autocast("cuda", dtype=dtype, enabled=amp):

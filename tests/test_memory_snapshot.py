@@ -16,6 +16,7 @@ matplotlib.use("Agg")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from tests.tiny_transformer import small_lm
 from utils import memory_snapshot, models, train  # noqa: E402
 
 MiB = 2**20
@@ -200,16 +201,6 @@ def test_segment_summary_and_expandable_segments_flag():
 # --- on a real GPU --------------------------------------------------------------------------------
 
 
-SMALL = models.TransformerConfig(vocab_size=512, d_model=64, nhead=4, num_layers=2, dim_feedforward=128, dropout=0.0)
-
-
-def _small_lm(seed=0):
-    torch.manual_seed(seed)
-    model = models.TransformerModel(SMALL)
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randint(0, SMALL.vocab_size, (4, 16), generator=gen)
-    y = torch.randint(0, SMALL.vocab_size, (4, 16), generator=gen)
-    return model, x, y
 
 
 @cuda
@@ -237,7 +228,7 @@ def test_cuda_record_memory_history_on_a_gpu(tmp_path):
 
 @cuda
 def test_cuda_peak_breakdown_of_a_recorded_step():
-    model, x, y = _small_lm()
+    model, x, y = small_lm()
     model = model.cuda()
     optimizer = torch.optim.AdamW(model.parameters())
     train.train_step(model, optimizer, x.cuda(), y.cuda())

@@ -7,22 +7,13 @@ import math
 import pytest
 import torch
 
-from utils import memory, models, out_of_memory, train
+from tests.tiny_transformer import SMALL, small_lm
+from utils import memory, out_of_memory, train
 
 MiB = 2**20
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-SMALL = models.TransformerConfig(vocab_size=512, d_model=64, nhead=4, num_layers=2, dim_feedforward=128, dropout=0.0)
-
-
-def _small_lm(seed=0):
-    torch.manual_seed(seed)
-    model = models.TransformerModel(SMALL)
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randint(0, SMALL.vocab_size, (4, 16), generator=gen)
-    y = torch.randint(0, SMALL.vocab_size, (4, 16), generator=gen)
-    return model, x, y
 
 
 def test_is_out_of_memory_knows_both_allocators():
@@ -43,7 +34,7 @@ def test_is_out_of_memory_knows_both_allocators():
 def test_try_step_catches_out_of_memory_and_lets_other_errors_through():
     ok = out_of_memory.try_step(lambda: torch.ones(4), "cpu")
     assert ok.ok and ok.error is None
-    model, x, y = _small_lm()
+    model, x, y = small_lm()
 
     def half_done():  # gradients exist, then the next allocation fails
         train.lm_loss(model(x), y).backward()
@@ -92,7 +83,7 @@ def test_fits_in_memory_turns_out_of_memory_into_false():
 
 @cuda
 def test_cuda_try_step_releases_a_real_out_of_memory():
-    model, x, y = _small_lm()
+    model, x, y = small_lm()
     model = model.cuda()
     before = torch.cuda.memory_allocated()
     total = torch.cuda.get_device_properties(0).total_memory
@@ -125,7 +116,7 @@ def test_cuda_largest_batch_under_a_memory_fraction():
 
 @cuda
 def test_cuda_largest_batch_of_real_training_steps_in_a_budget():
-    model, _, _ = _small_lm()
+    model, _, _ = small_lm()
     model = model.cuda()
     optimizer = torch.optim.AdamW(model.parameters())
 
