@@ -117,3 +117,12 @@ def test_check_cells_never_assert():
         for source in _exercise_cells(path):
             if _check_calls(source):
                 assert "assert " not in source, f"{path.name}: an exercise check cell must never fail the run"
+
+
+def test_no_host_sync_turns_a_synchronisation_error_into_feedback():
+    expected = r"host wait for the GPU \(called a synchronizing CUDA operation\): keep it"
+    with pytest.raises(exercises.Miss, match=expected), exercises.no_host_sync("cpu", "keep it on the device"):
+        raise RuntimeError("called a synchronizing CUDA operation")
+    # anything else propagates unchanged
+    with pytest.raises(RuntimeError, match="another error"), exercises.no_host_sync("cpu", "keep it"):
+        raise RuntimeError("another error")

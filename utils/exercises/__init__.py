@@ -18,8 +18,10 @@ prove that every check accepts its solution and rejects the stub and at least on
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Literal
 
@@ -83,6 +85,29 @@ def exercise(title: str) -> Callable[[Callable[..., str]], Callable[..., Feedbac
 def close(value: float, expected: float, rel: float = 1e-6) -> bool:
     """True if ``value`` is within ``rel`` (relative) of ``expected``."""
     return abs(value - expected) <= rel * abs(expected)
+
+
+@contextlib.contextmanager
+def no_host_sync(device, advice: str) -> Iterator[None]:
+    """Run the reader's code with CUDA's sync-debug mode set to raise: a host synchronisation inside the block
+    becomes a :class:`Miss` that says so, followed by ``advice``. On a CPU there is nothing to wait for."""
+    import torch
+
+    cuda = torch.device(device).type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "Synchronization debug mode is a prototype feature"
+            yield
+    except RuntimeError as err:
+        if "synchroniz" in str(err):
+            raise Miss(f"it makes the host wait for the GPU ({str(err).splitlines()[0][:90]}): {advice}") from None
+        raise
+    finally:
+        if cuda:
+            torch.cuda.set_sync_debug_mode("default")
 
 
 def _import_notebook_modules() -> list[str]:

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 
-from utils.exercises import Miss, close, exercise
+from utils.exercises import Miss, close, exercise, no_host_sync
 
 
 @exercise("1 · The decoding limit")
@@ -44,21 +42,9 @@ def sample_top_k(answer, *, device: torch.device | str = "cpu") -> str:
     logits = torch.full((4, 50), -5.0, device=device)
     logits[:, 7], logits[:, 3], logits[:, 42] = 3.0, 2.5, 2.9  # the top 3 of every row
     draws = []
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.set_sync_debug_mode("error")
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # "Synchronization debug mode is a prototype feature"
-            for _ in range(200):
-                draws.append(answer(logits, 3, gen))
-    except RuntimeError as err:
-        if "synchroniz" in str(err):
-            raise Miss("it makes the host wait for the GPU: keep everything a tensor on the device") from None
-        raise
-    finally:
-        if device.type == "cuda":
-            torch.cuda.set_sync_debug_mode("default")
+    with no_host_sync(device, "keep everything a tensor on the device"):
+        for _ in range(200):
+            draws.append(answer(logits, 3, gen))
     first = draws[0]
     if first is None:
         raise NotImplementedError("sample_top_k returns None")

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import tempfile
-import warnings
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from utils.exercises import Miss, exercise
+from utils.exercises import Miss, exercise, no_host_sync
 
 
 def _tiny_classifier(seed: int) -> nn.Module:
@@ -30,21 +29,8 @@ def correct_on_device(answer, *, device: torch.device | str | None = None) -> st
     y = predicted.clone()
     y[::3] = (y[::3] + 1) % 4  # every third prediction made wrong: 86 wrong, 171 right
     expected = int((predicted == y).sum())
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.set_sync_debug_mode("error")
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # "Synchronization debug mode is a prototype feature"
-            result = answer(model, x, y)
-    except RuntimeError as err:
-        if "synchroniz" in str(err):
-            raise Miss(f"it makes the host wait for the GPU ({str(err).splitlines()[0][:90]}): keep every "
-                       "value a tensor on the device until the end") from None
-        raise
-    finally:
-        if device.type == "cuda":
-            torch.cuda.set_sync_debug_mode("default")
+    with no_host_sync(device, "keep every value a tensor on the device until the end"):
+        result = answer(model, x, y)
     if result is None:
         raise NotImplementedError("correct_on_device returns None")
     if not isinstance(result, torch.Tensor):
