@@ -76,6 +76,58 @@ def test_reference_run_leaves_a_failing_notebook_untouched(tmp_path):
     assert not (tmp_path / "r").exists()
 
 
+def _executed_by_nbmake(path, executed_dir):
+    """What .ci/gpu-run leaves: the notebook run by nbmake (--overwrite) into another directory."""
+    import subprocess
+    import sys
+
+    executed_dir.mkdir()
+    copy = executed_dir / path.name
+    copy.write_text(path.read_text())
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nbmake", "--overwrite",
+                    str(copy)], check=True, capture_output=True, timeout=300)
+    return copy
+
+
+def test_stamp_executed_adopts_what_nbmake_ran(tmp_path, capsys):
+    path = tmp_path / "99_test.ipynb"
+    nbformat.write(_notebook(RECORDING_CELL), path)
+    copy = _executed_by_nbmake(path, tmp_path / "executed")
+    assert "execution" in nbformat.read(copy, as_version=4).cells[1].metadata  # nbmake's cell timing
+    results_dir = tmp_path / "results"
+    assert reference_run.main([str(path), "--allow-cpu", "--results-dir", str(results_dir),
+                               "--stamp-executed", str(copy.parent)]) == 0
+
+    nb = nbformat.read(path, as_version=4)
+    assert nb.metadata["reference_run"]["sources_sha256"] == course.sources_sha256(nb)
+    assert course.has_outputs(nb) and "execution" not in nb.cells[1].metadata
+    assert json.loads((results_dir / "cpu.json").read_text())["99_test"]["speedup"] == {"value": 2.0, "unit": "x"}
+    assert "stamped from" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda nb: nb.cells[1].__setitem__("source", "print('edited since')"), "other sources"),
+    (lambda nb: nb.cells[1].__setitem__("execution_count", None), "never executed"),
+    (lambda nb: nb.cells[1].outputs.append(nbformat.v4.new_output("error", ename="E", evalue="", traceback=[])),
+     "raised an error"),
+])
+def test_stamp_executed_refuses_a_copy_that_is_not_a_whole_clean_run(tmp_path, damage, message):
+    path = tmp_path / "99_test.ipynb"
+    nbformat.write(_notebook("x = 1"), path)
+    executed = _notebook("x = 1")
+    executed.cells[1].execution_count = 1
+    damage(executed)
+    (tmp_path / "executed").mkdir()
+    nbformat.write(executed, tmp_path / "executed" / path.name)
+    before = path.read_text()
+    with pytest.raises(SystemExit, match=message):
+        reference_run.main([str(path), "--allow-cpu", "--results-dir", str(tmp_path / "r"),
+                            "--stamp-executed", str(tmp_path / "executed")])
+    assert path.read_text() == before
+    with pytest.raises(SystemExit, match="does not exist"):
+        reference_run.main([str(path), "--allow-cpu", "--stamp-executed", str(tmp_path / "nowhere")])
+
+
 def test_reference_run_refuses_cpu_without_the_flag(monkeypatch):
     import torch
 

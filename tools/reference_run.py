@@ -19,6 +19,13 @@ A failed notebook is left untouched (its partial run goes to --failed-dir if giv
 
 reads the figures of notebooks that were already executed (e.g. by nbmake --overwrite in .ci/gpu-run) into
 ``DIR/<gpu>.json`` without executing or stamping anything.
+
+    python -m tools.reference_run --stamp-executed build/gpu-run/notebooks notebooks/04_*.ipynb
+
+adopts the copies that ``.ci/gpu-run`` executed on this machine (nbmake, the same nbclient, the same working
+directory) as the reference run instead of executing each notebook a second time: each copy must have exactly the
+sources of the notebook it replaces, every code cell executed and no error output; then it is stamped and written
+in place like a run of its own. One GPU run both proves that nbmake passes and gives the committed outputs.
 """
 
 from __future__ import annotations
@@ -88,6 +95,25 @@ def execute(path: Path, *, cell_timeout: int, failed_dir: Path | None):
     return nb
 
 
+def executed_copy(path: Path, executed_dir: Path):
+    """The copy of ``path`` executed in ``executed_dir``, checked to be a whole, clean run of the same sources."""
+    copy = executed_dir / path.name
+    if not copy.exists():
+        raise SystemExit(f"reference_run: {copy} does not exist: run .ci/gpu-run on {path.name} first")
+    nb = nbformat.read(copy, as_version=4)
+    if course.sources_sha256(nb) != course.sources_sha256(nbformat.read(path, as_version=4)):
+        raise SystemExit(f"reference_run: {copy} was executed from other sources than {path}: run it again")
+    for index, cell in enumerate(nb.cells):
+        if cell.cell_type != "code":
+            continue
+        if cell.get("execution_count") is None:
+            raise SystemExit(f"reference_run: cell {index} of {copy} was never executed: the run stopped early")
+        if any(output.get("output_type") == "error" for output in cell.get("outputs", [])):
+            raise SystemExit(f"reference_run: cell {index} of {copy} raised an error: the run failed")
+        cell.metadata.pop("execution", None)  # nbmake's per-cell timing, not part of the committed notebook
+    return nb
+
+
 def merge_results(slug: str, stem: str, figures: dict[str, dict[str, object]], results_dir: Path) -> Path:
     """Replace this notebook's entry in ``results/<slug>.json`` (other notebooks' entries stay)."""
     results_dir.mkdir(parents=True, exist_ok=True)
@@ -107,6 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--allow-cpu", action="store_true", help="stamp a run on a machine without a GPU")
     parser.add_argument("--collect-only", action="store_true",
                         help="only collect the recorded figures of already executed notebooks (no run, no stamp)")
+    parser.add_argument("--stamp-executed", type=Path, metavar="DIR",
+                        help="stamp the copies already executed in DIR on this machine (e.g. build/gpu-run/notebooks) "
+                             "instead of executing the notebooks again")
     args = parser.parse_args(argv)
 
     stamp, slug = machine_stamp(args.allow_cpu)
@@ -120,7 +149,10 @@ def main(argv: list[str] | None = None) -> int:
     failures = 0
     for path in paths:
         start = time.perf_counter()
-        nb = execute(path, cell_timeout=args.cell_timeout, failed_dir=args.failed_dir)
+        if args.stamp_executed is not None:
+            nb = executed_copy(path, args.stamp_executed)
+        else:
+            nb = execute(path, cell_timeout=args.cell_timeout, failed_dir=args.failed_dir)
         seconds = time.perf_counter() - start
         if nb is None:
             failures += 1
@@ -129,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
         nbformat.write(nb, path)
         figures = recorded_results(nb)
         out = merge_results(slug, path.stem, figures, args.results_dir)
-        print(f"ok {path.name}: {seconds:.0f} s on {stamp['gpu']}, {len(figures)} figures → {out.name}")
+        how = f"stamped from {args.stamp_executed}" if args.stamp_executed is not None else f"{seconds:.0f} s"
+        print(f"ok {path.name}: {how} on {stamp['gpu']}, {len(figures)} figures → {out.name}")
     if args.results_dir.resolve() == RESULTS_DIR.resolve():
         readme_tables.write_readme()
     return 1 if failures else 0
