@@ -55,10 +55,11 @@ def test_reference_run_executes_stamps_and_collects(tmp_path, capsys):
     nb = nbformat.read(path, as_version=4)
     stamp = nb.metadata["reference_run"]
     assert stamp["sources_sha256"] == course.sources_sha256(nb)
-    assert stamp["gpu"] == "cpu" and stamp["gpus"] == "0"
+    machine, slug = reference_run.machine_stamp(allow_cpu=True)  # "cpu" here; the GPU on a GPU machine
+    assert stamp["gpu"] == machine["gpu"] and stamp["gpus"] == machine["gpus"]
     assert set(stamp) == {"sources_sha256", "gpu", "gpus", "torch", "cuda", "date"}
     assert course.has_outputs(nb)
-    figures = json.loads((results_dir / "cpu.json").read_text())
+    figures = json.loads((results_dir / f"{slug}.json").read_text())
     assert figures == {"99_test": {"answer_gbps": {"value": 42.5, "unit": "GB/s"},
                                    "speedup": {"value": 2.0, "unit": "x"}}}
     assert "ok 99_test.ipynb" in capsys.readouterr().out
@@ -101,8 +102,32 @@ def test_stamp_executed_adopts_what_nbmake_ran(tmp_path, capsys):
     nb = nbformat.read(path, as_version=4)
     assert nb.metadata["reference_run"]["sources_sha256"] == course.sources_sha256(nb)
     assert course.has_outputs(nb) and "execution" not in nb.cells[1].metadata
-    assert json.loads((results_dir / "cpu.json").read_text())["99_test"]["speedup"] == {"value": 2.0, "unit": "x"}
+    slug = reference_run.machine_stamp(allow_cpu=True)[1]
+    assert json.loads((results_dir / f"{slug}.json").read_text())["99_test"]["speedup"] == {"value": 2.0, "unit": "x"}
     assert "stamped from" in capsys.readouterr().out
+
+
+def test_stamp_executed_records_the_machine_that_executed(tmp_path):
+    """.ci/gpu-run writes who ran the notebooks (--write-machine); stamped elsewhere, they name that machine."""
+    path = tmp_path / "99_test.ipynb"
+    nbformat.write(_notebook(RECORDING_CELL), path)
+    copy = _executed_by_nbmake(path, tmp_path / "executed")
+    machine = tmp_path / "machine.json"
+    assert reference_run.main(["--allow-cpu", "--write-machine", str(machine)]) == 0
+    assert set(json.loads(machine.read_text())) == {"gpu", "gpus", "torch", "cuda", "date"}
+    h200 = {"gpu": "NVIDIA H200", "gpus": "1", "torch": "2.11.0+cu130", "cuda": "13.0", "date": "2026-11-23"}
+    machine.write_text(json.dumps(h200))
+    results_dir = tmp_path / "results"
+    assert reference_run.main([str(path), "--results-dir", str(results_dir), "--stamp-executed", str(copy.parent),
+                               "--machine", str(machine)]) == 0
+    stamp = nbformat.read(path, as_version=4).metadata["reference_run"]
+    assert {k: stamp[k] for k in h200} == h200
+    assert "99_test" in json.loads((results_dir / "h200.json").read_text())
+    machine.write_text(json.dumps({"gpu": "NVIDIA H200"}))
+    with pytest.raises(SystemExit, match="lacks"):
+        reference_run.main([str(path), "--stamp-executed", str(copy.parent), "--machine", str(machine)])
+    with pytest.raises(SystemExit, match="goes with --stamp-executed"):
+        reference_run.main([str(path), "--machine", str(machine)])
 
 
 @pytest.mark.parametrize("damage, message", [

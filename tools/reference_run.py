@@ -22,10 +22,12 @@ reads the figures of notebooks that were already executed (e.g. by nbmake --over
 
     python -m tools.reference_run --stamp-executed build/gpu-run/notebooks notebooks/04_*.ipynb
 
-adopts the copies that ``.ci/gpu-run`` executed on this machine (nbmake, the same nbclient, the same working
-directory) as the reference run instead of executing each notebook a second time: each copy must have exactly the
-sources of the notebook it replaces, every code cell executed and no error output; then it is stamped and written
-in place like a run of its own. One GPU run both proves that nbmake passes and gives the committed outputs.
+adopts the copies that ``.ci/gpu-run`` executed (nbmake, the same nbclient, the same working directory) as the
+reference run instead of executing each notebook a second time: each copy must have exactly the sources of the
+notebook it replaces, every code cell executed and no error output; then it is stamped and written in place like a
+run of its own. One GPU run both proves that nbmake passes and gives the committed outputs. The stamp's machine
+fields are those ``.ci/gpu-run`` wrote to ``build/gpu-run/machine.json`` (``--write-machine``) on the machine that
+executed them, so the copies can be stamped elsewhere (``--machine FILE``); without it, this machine's.
 """
 
 from __future__ import annotations
@@ -95,6 +97,17 @@ def execute(path: Path, *, cell_timeout: int, failed_dir: Path | None):
     return nb
 
 
+def read_machine(path: Path) -> tuple[dict[str, str], str]:
+    """The stamp's machine fields and results slug from a file written by ``--write-machine``."""
+    from utils.env import gpu_slug
+
+    machine = json.loads(path.read_text())
+    missing = {"gpu", "gpus", "torch", "cuda", "date"} - set(machine)
+    if missing:
+        raise SystemExit(f"reference_run: {path} lacks {sorted(missing)}: write it with --write-machine")
+    return machine, "cpu" if machine["gpu"] == "cpu" else gpu_slug(machine["gpu"])
+
+
 def executed_copy(path: Path, executed_dir: Path):
     """The copy of ``path`` executed in ``executed_dir``, checked to be a whole, clean run of the same sources."""
     copy = executed_dir / path.name
@@ -136,9 +149,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stamp-executed", type=Path, metavar="DIR",
                         help="stamp the copies already executed in DIR on this machine (e.g. build/gpu-run/notebooks) "
                              "instead of executing the notebooks again")
+    parser.add_argument("--machine", type=Path, metavar="FILE",
+                        help="with --stamp-executed: the machine that executed them, as --write-machine wrote it")
+    parser.add_argument("--write-machine", type=Path, metavar="FILE",
+                        help="only write this machine's stamp fields to FILE (JSON) and exit")
     args = parser.parse_args(argv)
 
-    stamp, slug = machine_stamp(args.allow_cpu)
+    stamp, slug = machine_stamp(args.allow_cpu or args.machine is not None)
+    if args.write_machine is not None:
+        args.write_machine.write_text(json.dumps(stamp, indent=2) + "\n")
+        return 0
+    if args.machine is not None:
+        if args.stamp_executed is None:
+            raise SystemExit("reference_run: --machine goes with --stamp-executed")
+        stamp, slug = read_machine(args.machine)
     paths = [p.resolve() for p in args.notebooks] or course.notebooks()
     if args.collect_only:
         for path in paths:
