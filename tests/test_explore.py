@@ -158,3 +158,7 @@ def test_every_control_kind_builds_its_widget(with_widgets):
     assert explorer.result == {"steps": 0.5, "mode": 1, "on": True, "prompt": "Hello", "value": 1e-8}
     assert explorer.controls["mode"].label == "compiled"
     explorer.display()  # builds the layout without a frontend
+    from ipywidgets import VBox
+
+    text = explorer.static_bundle(VBox())["text/plain"]  # what a copy without a kernel shows instead of a repr
+    assert text.startswith("[controls: steps = 0.5, mode = 'compiled', on = True") and "live Jupyter" in text

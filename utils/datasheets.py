@@ -3,10 +3,11 @@ sheet describes the GPU in this machine.
 
 Every figure is *dense* (without 2:4 structured sparsity, which datasheets often quote at twice the rate) and,
 for tensor-core rates, with fp32 accumulation, which is what PyTorch's matmuls use. Datasheet peaks are ceilings
-at the highest boost clock: measured rates land below them, and how far below is itself worth knowing
-(notebook 00 measures it). A sheet is matched to a GPU only when the name leaves no doubt: an A100 40 GB is not
-an A100 80 GB (different memory bandwidth), an H100 PCIe is not an H100 SXM (lower clocks and power), a laptop
-RTX 4090 is not the desktop card; for those and every GPU not listed, :func:`match` returns None.
+at the clock the vendor assumed, not always the highest the SMs reach (H100/H200 SXM: bf16 989.4 = 132 SMs ×
+4,096 FLOP/clock × 1,830 MHz, fp32 67 = 132 × 256 × 1,980 MHz): measured rates land below them, and how far below
+is itself worth knowing (notebook 00 measures it). A sheet is matched to a GPU only when the name leaves no doubt:
+an A100 40 GB is not an A100 80 GB (different memory bandwidth), an H100 PCIe is not an H100 SXM (lower clocks and
+power), a laptop RTX 4090 is not the desktop card; for those and every GPU not listed, :func:`match` returns None.
 """
 
 from __future__ import annotations

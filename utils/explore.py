@@ -268,14 +268,25 @@ class Explorer:
         from IPython.display import display
 
         if self.button_label is not None:
-            hint = f"Change a value, then press {self.button_label}: the result appears below."
+            hint = (f"Above: the result for the default values. Change a value, then press {self.button_label}: "
+                    "the new result appears below.")
         else:
-            hint = "Change a value: the result below follows it." + (
+            hint = "Above: the result for the default values. Change a value: the new result appears below." + (
                 " The buttons run more with the same values." if self.buttons else "")
         rows = [widgets.HTML(f"<i>{hint}</i>"), *self.controls.values()]
         if self.buttons:
             rows.append(widgets.HBox(list(self.buttons.values())))
-        display(widgets.VBox([*rows, self.output]))
+        display(self.static_bundle(widgets.VBox([*rows, self.output])), raw=True)
+
+    def static_bundle(self, box: Any) -> dict[str, Any]:
+        """``box``'s display data with a readable plain-text form: what a copy without a kernel shows (GitHub, a
+        text export, a log) instead of the widget's repr."""
+        # a Choice (a dropdown, which has options) by its label, every other control by its value
+        shown = {name: w.label if hasattr(w, "options") else w.value for name, w in self.controls.items()}
+        names = ", ".join(f"{name} = {value!r}" for name, value in shown.items())
+        return {**box._repr_mimebundle_(),
+                "text/plain": f"[controls: {names}. They run in a live Jupyter or Colab kernel; above: the result "
+                              "for these defaults.]"}
 
 
 def _check_parameters(fn: Callable[..., Any], names: Sequence[str], what: str) -> None:

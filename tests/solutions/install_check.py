@@ -9,8 +9,8 @@ def min_time_s(n_elements, itemsize, bandwidth_gbps):
     return 2 * n_elements * itemsize / (bandwidth_gbps * 1e9)
 
 
-def rate_at_clock(datasheet_tflops, max_clock_mhz, clock_mhz):
-    return datasheet_tflops * clock_mhz / max_clock_mhz
+def rate_at_clock(tflops, clock_mhz, new_clock_mhz):
+    return tflops * new_clock_mhz / clock_mhz
 
 
 # What tests/test_exercises.py feeds each check: (the solution's arguments, [(what a plausible wrong answer does,
