@@ -82,8 +82,13 @@ def rate_at_clock(answer, *, burst_tflops: float | None = None, burst_mhz: float
     here = ""
     if burst_tflops and burst_mhz and sustained_mhz and sustained_tflops and burst_tflops > sustained_tflops:
         at_clock = answer(burst_tflops, burst_mhz, sustained_mhz)
-        explained = (burst_tflops - at_clock) / (burst_tflops - sustained_tflops)
         here = (f" Here the burst's {burst_tflops:,.0f} TFLOP/s at {burst_mhz:,.0f} MHz becomes {at_clock:,.0f} at "
-                f"the sustained clock, {sustained_mhz:,.0f} MHz, and the sustained rate measured "
-                f"{sustained_tflops:,.0f}: the clock explains {explained:.0%} of the drop from burst to sustained.")
+                f"the sustained clock, {sustained_mhz:,.0f} MHz, and the sustained run measured "
+                f"{sustained_tflops:,.0f}: ")
+        if at_clock >= sustained_tflops:
+            explained = (burst_tflops - at_clock) / (burst_tflops - sustained_tflops)
+            here += f"the clock explains {explained:.0%} of the drop from burst to sustained."
+        else:
+            here += ("the clock predicts a larger drop than was measured: the sustained run did more work per clock "
+                     "than the burst, and the clock alone does not explain the difference.")
     return "the rate scales with the clock." + here
