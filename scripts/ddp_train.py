@@ -5,10 +5,13 @@
 ``--check`` (fp32, no dropout): one SGD step of DDP, every rank on its own shard of a batch, must give the
 gradients and weights of one process training on the whole batch; gradient accumulation with ``no_sync`` must give
 the same gradients again while all-reducing once per optimizer step instead of once per micro-batch (a
-communication hook counts the calls). Then every variant in ``--variants`` is timed at the same per-process batch
-(``collective_bench``: the ranks make the same number of steps):
+communication hook counts the calls and the bytes, after a first step: DDP's first backward all-reduces through
+buckets of its own and only then rebuilds them in the order backward produced the gradients). Then every variant
+in ``--variants`` is timed at the same per-process batch (``--batch``; ``name@N`` times a variant at N sequences
+per process instead):
 
-    plain          the model without DDP: the one-GPU baseline (run it with --nproc-per-node=1)
+    plain          the model without DDP: the one-GPU baseline (with several processes: each trains alone, no
+                   communication — what sharing the machine costs)
     ddp            DDP with its defaults (25 MB buckets)
     bucket_1mb     DDP with 1 MB gradient buckets (more, smaller all-reduces, started earlier)
     bucket_100mb   DDP with 100 MB buckets (fewer, larger all-reduces, started later)
@@ -18,12 +21,13 @@ communication hook counts the calls). Then every variant in ``--variants`` is ti
     accum_sync     4 micro-batches per optimizer step, all-reduced after every micro-batch
     accum_no_sync  4 micro-batches per optimizer step, under no_sync() but the last
 
-``--profile-trace PATH`` profiles three steps of ``ddp`` (rank 0 saves the Perfetto trace) and reports how much of
-the communication ran while the GPU computed. Rank 0 writes everything as JSON (``--result``).
+The variants are timed in turns (``utils.distributed.interleaved_bench``: every round builds each variant afresh
+and times one block of steps), and each is profiled once: its kernels' time split into computation, communication
+not hidden by it, and idle time (``--profile-trace PATH``: rank 0 also saves the Perfetto trace of ``ddp``). Rank 0
+writes everything as JSON (``--result``).
 """
 
 import copy
-import gc
 import sys
 from contextlib import nullcontext
 from dataclasses import replace
@@ -64,9 +68,11 @@ def wrap(model, ctx, variant):
 
 
 def counting_hook(counter):
-    """A DDP communication hook that all-reduces as DDP would and counts its calls (one per bucket)."""
+    """A DDP communication hook that all-reduces as DDP would and counts its calls (one per bucket) and bytes."""
     def hook(state, bucket):
-        counter[0] += 1
+        buffer = bucket.buffer()
+        counter["calls"] += 1
+        counter["bytes"] += buffer.numel() * buffer.element_size()
         return default_hooks.allreduce_hook(state, bucket)
     return hook
 
@@ -95,8 +101,6 @@ def check(ctx, config, batch, seq, tol=1e-4):
     torch.optim.SGD(reference.parameters(), lr=0.5).step()
 
     ddp = wrap(model, ctx, "ddp")
-    calls = [0]
-    ddp.register_comm_hook(None, counting_hook(calls))
     lm_loss(ddp(x), y).backward()
     grad_err = worst_relative([p.grad for p in model.parameters()], ref_grads)
     torch.optim.SGD(model.parameters(), lr=0.5).step()
@@ -105,23 +109,31 @@ def check(ctx, config, batch, seq, tol=1e-4):
     D.log(ctx, f"✅ one DDP step on {ctx.world_size} shards == one process on the whole batch: gradients within "
                f"{grad_err:.1e}, weights within {weight_err:.1e} (relative, fp32)")
 
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     accumulation = {}
     for no_sync in (False, True):  # the same whole-batch gradient, from 2 micro-batches per rank
         torch.manual_seed(0)
         ddp = wrap(TransformerModel(config).to(ctx.device), ctx, "ddp")
-        calls = [0]
-        ddp.register_comm_hook(None, counting_hook(calls))
+        counter = {"calls": 0, "bytes": 0}
+        ddp.register_comm_hook(None, counting_hook(counter))
+        lm_loss(ddp(x), y).backward()  # a first step: DDP rebuilds its buckets after it (see the docstring)
+        ddp.zero_grad(set_to_none=True)
+        counter.update(calls=0, bytes=0)
         for i, (mx, my) in enumerate(zip(x.chunk(2), y.chunk(2), strict=True)):
             with ddp.no_sync() if no_sync and i == 0 else nullcontext():
                 (lm_loss(ddp(mx), my) / 2).backward()
         err = worst_relative([p.grad for p in ddp.module.parameters()], ref_grads)
         assert err < tol, f"accumulation {'with' if no_sync else 'without'} no_sync: gradients off by {err:.1e}"
-        accumulation["no_sync" if no_sync else "sync_every_micro_batch"] = {"allreduce_calls": calls[0],
-                                                                             "grad_err": err}
+        accumulation["no_sync" if no_sync else "sync_every_micro_batch"] = {
+            "allreduce_calls": counter["calls"], "allreduce_bytes": counter["bytes"], "grad_err": err}
+    sync, skip = accumulation["sync_every_micro_batch"], accumulation["no_sync"]
+    assert skip["allreduce_bytes"] == grad_bytes and sync["allreduce_bytes"] == 2 * grad_bytes, \
+        f"all-reduced {skip['allreduce_bytes']} and {sync['allreduce_bytes']} bytes for {grad_bytes} of gradients"
     D.log(ctx, f"✅ accumulating 2 micro-batches gives the whole-batch gradients, with no_sync "
-               f"({accumulation['no_sync']['allreduce_calls']} all-reduce calls) and without "
-               f"({accumulation['sync_every_micro_batch']['allreduce_calls']} calls)")
-    return {"grad_err": grad_err, "weight_err": weight_err, "accumulation": accumulation, "tolerance": tol}
+               f"({skip['allreduce_calls']} all-reduce calls, {skip['allreduce_bytes']:,} bytes) and without "
+               f"({sync['allreduce_calls']} calls, {sync['allreduce_bytes']:,} bytes)")
+    return {"grad_err": grad_err, "weight_err": weight_err, "accumulation": accumulation, "tolerance": tol,
+            "grad_bytes": grad_bytes}
 
 
 def step_fn(model, optimizer, variant, x, y, amp_dtype):
@@ -142,63 +154,97 @@ def step_fn(model, optimizer, variant, x, y, amp_dtype):
     return accumulate
 
 
+def parse_variant(spec, default_batch):
+    """'ddp' → ('ddp', default_batch); 'ddp@32' → ('ddp', 32)."""
+    name, _, batch = spec.partition("@")
+    return name, int(batch) if batch else default_batch
+
+
+def measure(ctx, step, trace_path):
+    """Peak memory since the variant was built, and a profile of three steps: computation, communication (how
+    much of it hidden), the calls of communication kernels per step."""
+    peak = torch.cuda.max_memory_allocated(ctx.device) if ctx.device.type == "cuda" else None
+    prof = profile_steps(step, steps=3, warmup=1, device=ctx.device, trace_path=trace_path)
+    comm_calls = sum(1 for k in prof.kernels if D.COMMUNICATION.search(k.name)) / prof.steps
+    return {"peak_bytes": peak,
+            "profile": {**D.communication_overlap(prof.kernels, steps=prof.steps), "busy_s": prof.busy_s,
+                        "kernels_per_step": prof.kernels_per_step, "comm_calls_per_step": comm_calls,
+                        "profiled_wall_s": prof.profiled_wall_s, "trace": str(trace_path) if trace_path else None}}
+
+
 def main() -> None:
     parser = D.script_arguments(__doc__.splitlines()[0])
     parser.add_argument("--config", choices=tuple(CONFIGS), default=None, help="default: seed on GPU, tiny on CPU")
     parser.add_argument("--batch", type=int, default=None, help="sequences per process (default by device)")
     parser.add_argument("--seq", type=int, default=None)
-    parser.add_argument("--variants", default="ddp", help=f"comma-separated, of {', '.join(VARIANTS)}")
+    parser.add_argument("--variants", default="ddp", help=f"comma-separated, of {', '.join(VARIANTS)}; name@N "
+                                                          "for N sequences per process")
     parser.add_argument("--check", action="store_true")
-    parser.add_argument("--min-run-s", type=float, default=None, help="seconds of timing per variant")
+    parser.add_argument("--min-run-s", type=float, default=None, help="seconds of timing per variant, all rounds")
+    parser.add_argument("--rounds", type=int, default=None, help="rounds of interleaved timing")
+    parser.add_argument("--profile", default="all", help="which variants to profile (comma-separated), or 'all'")
     parser.add_argument("--profile-trace", type=Path, default=None)
     args = parser.parse_args()
-    variants = [v for v in args.variants.split(",") if v]
-    unknown = set(variants) - set(VARIANTS)
+    on_gpu = args.device == "cuda"
+    batch = args.batch or (32 if on_gpu else 4)
+    specs = [v for v in args.variants.split(",") if v]
+    try:
+        parsed = {spec: parse_variant(spec, batch) for spec in specs}
+    except ValueError:
+        parser.error(f"--variants {args.variants!r}: a batch after '@' must be a whole number")
+    unknown = {name for name, _ in parsed.values()} - set(VARIANTS)
     if unknown:
         parser.error(f"unknown variants {sorted(unknown)}: choose from {', '.join(VARIANTS)}")
     ctx = D.setup(args.device, timeout_s=args.timeout_s)
-    on_gpu = ctx.device.type == "cuda"
     config = CONFIGS[args.config or ("seed" if on_gpu else "tiny")]
-    batch = args.batch or (32 if on_gpu else 4)
     seq = args.seq or (256 if on_gpu else 32)
+    rounds = args.rounds or (6 if on_gpu else 3)
     min_run_s = args.min_run_s or (1.5 if on_gpu else 0.3)
     amp_dtype = (torch.bfloat16 if D.native_bf16(ctx.device) else torch.float16) if on_gpu else None
     out = {"world_size": ctx.world_size, "backend": ctx.backend, "batch_per_rank": batch, "seq": seq,
-           "device": torch.cuda.get_device_name(ctx.device) if on_gpu else "cpu",
+           "device": torch.cuda.get_device_name(ctx.device) if on_gpu else "cpu", "rounds": rounds,
            "amp": str(amp_dtype).removeprefix("torch.") if amp_dtype else "fp32", "variants": {}}
     try:
         if args.check:
             out["check"] = check(ctx, config, 2, min(seq, 64))
         torch.manual_seed(0)
-        init_state = TransformerModel(config).state_dict()
+        with torch.device(ctx.device):
+            init_state = {k: v.clone() for k, v in TransformerModel(config).state_dict().items()}
         out["parameters"] = sum(v.numel() for v in init_state.values())
         out["grad_bytes"] = 4 * out["parameters"]  # fp32 gradients: what DDP all-reduces every step
-        _, (x, y) = shard(ctx, batch, seq, config.vocab_size, seed=2)
-        for variant in variants:
+        data = {b: shard(ctx, b, seq, config.vocab_size, seed=2)[1] for b in sorted({b for _, b in parsed.values()})}
+
+        def build(spec):
+            name, b = parsed[spec]
+            if on_gpu:
+                torch.cuda.reset_peak_memory_stats(ctx.device)
             with torch.device(ctx.device):  # built where it trains (faster than on the CPU, then copied)
                 model = TransformerModel(config)
             model.load_state_dict(init_state)
-            wrapped = wrap(model, ctx, variant)
+            wrapped = wrap(model, ctx, name)
             optimizer = torch.optim.AdamW(wrapped.parameters(), lr=1e-4, fused=on_gpu)
-            step = step_fn(wrapped, optimizer, variant, x, y, amp_dtype)
-            if on_gpu:
-                torch.cuda.reset_peak_memory_stats(ctx.device)
-            timing = D.collective_bench(step, ctx, label=variant, warmup=3, min_run_time=min_run_s)
-            entry = {"timing": D.timing_to_dict(timing), "tokens_per_s": ctx.world_size * batch * seq / timing.median_s,
-                     "peak_bytes": torch.cuda.max_memory_allocated(ctx.device) if on_gpu else None}
-            D.log(ctx, f"{variant:>14}: {timing.median_s * 1e3:8.2f} ms per step (IQR {timing.iqr_s * 1e3:.2f}), "
-                       f"{entry['tokens_per_s']:,.0f} tokens/s over {ctx.world_size} process(es)")
-            if variant == "ddp" and args.profile_trace is not None:
-                prof = profile_steps(step, steps=3, warmup=1, device=ctx.device, step_s=timing.median_s,
-                                     trace_path=args.profile_trace if ctx.is_main else None)
-                entry["profile"] = {**D.communication_overlap(prof.kernels, steps=prof.steps),
-                                    "busy_s": prof.busy_s, "wall_s": prof.wall_s, "bottleneck": prof.bottleneck(),
-                                    "trace": str(args.profile_trace)}
-            out["variants"][variant] = entry
-            del model, wrapped, optimizer, step
-            gc.collect()
-            if on_gpu:
-                torch.cuda.empty_cache()
+            return step_fn(wrapped, optimizer, name, *data[b], amp_dtype)
+
+        profiled = set(specs) if args.profile == "all" else set(args.profile.split(","))
+
+        def measured(spec, step):
+            if spec not in profiled:
+                return {"peak_bytes": torch.cuda.max_memory_allocated(ctx.device) if on_gpu else None,
+                        "profile": None}
+            trace = args.profile_trace if spec == "ddp" and ctx.is_main else None
+            return measure(ctx, step, trace)
+
+        timings, extras = D.interleaved_bench({spec: (lambda spec=spec: build(spec)) for spec in specs}, ctx,
+                                              rounds=rounds, warmup=3 if on_gpu else 2, block_s=min_run_s / rounds,
+                                              measure=measured)
+        for spec in specs:
+            name, b = parsed[spec]
+            timing = timings[spec]
+            entry = {"variant": name, "batch": b, "timing": D.timing_to_dict(timing),
+                     "tokens_per_s": ctx.world_size * b * seq / timing.median_s, **extras[spec]}
+            out["variants"][spec] = entry
+            D.log(ctx, f"{spec:>16}: {timing.median_s * 1e3:8.2f} ms per step (IQR {timing.iqr_s * 1e3:.2f}, "
+                       f"{rounds} rounds), {entry['tokens_per_s']:,.0f} tokens/s over {ctx.world_size} process(es)")
         D.write_result(ctx, args.result, out)
     finally:
         D.teardown()

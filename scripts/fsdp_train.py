@@ -20,6 +20,7 @@ Rank 0 writes the numbers as JSON (``--result``).
 
 import copy
 import gc
+import re
 import sys
 import time
 from dataclasses import replace
@@ -160,6 +161,7 @@ def too_big(ctx, config, batch, seq):
            "budget_bytes_per_param": BUDGET_BYTES_PER_PARAM}
     x, y = batch_for(ctx, 0, batch, seq, config.vocab_size)
     try:
+        torch.cuda.reset_peak_memory_stats(ctx.device)
         model = copy.deepcopy(cpu_model).to(ctx.device)  # one GPU, no DDP: no collective can be left waiting
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         try:
@@ -169,7 +171,12 @@ def too_big(ctx, config, batch, seq):
         except RuntimeError as err:  # torch.OutOfMemoryError, or cuBLAS failing to allocate its workspace
             if not is_out_of_memory(err):
                 raise
-            out["one_gpu"] = "out of memory: " + str(err).split("\n")[0][:160]
+            # PyTorch's message also gives the whole GPU's free memory, which the emulated budget does not change:
+            # say instead what this process held against its budget
+            asked = re.search(r"Tried to allocate ([\d.]+ \w+)", str(err))
+            out["one_gpu"] = (f"out of memory: PyTorch held {torch.cuda.max_memory_allocated(ctx.device) / 2**30:.2f}"
+                              f" GiB of the {budget / 2**30:.2f} GiB budget and needed "
+                              + (f"{asked.group(1)} more" if asked else "more"))
         del model, optimizer
         release(ctx)
         dist.barrier()

@@ -7,8 +7,14 @@ loading or in a branch the others did not take would) and never calls the all-re
 would wait forever. With ``init_process_group(timeout=...)``, gloo raises on rank 0 after the timeout and NCCL's
 watchdog aborts the process: either way torchrun sees a failed rank, stops the others, and the launch fails with
 the timeout named in its output.
+
+How soon NCCL's watchdog ends the process after the timeout depends on what it does first: by default it asks
+every rank to dump its flight recorder (a record of recent collectives and their stacks, for post-mortem
+debugging) and waits for that, which can take a minute. The notebook's demonstration switches that off with
+``TORCH_NCCL_DUMP_ON_TIMEOUT=0`` and ``TORCH_NCCL_TRACE_BUFFER_SIZE=0``; a real training run keeps it on.
 """
 
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -23,6 +29,10 @@ from utils import distributed as D
 
 def main() -> None:
     args = D.script_arguments(__doc__.splitlines()[0]).parse_args()
+    with contextlib.suppress(ImportError, ValueError, OSError):  # this run fails on purpose: no core file for it
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     ctx = D.setup(args.device, timeout_s=args.timeout_s)
     try:
         dist.barrier()  # everyone is here: the mismatch below is the only problem

@@ -17,10 +17,13 @@ Inside a script: :func:`setup` reads the ranks, pins the process to its GPU (``t
 joins the process group — NCCL on GPUs, gloo on a CPU — with a short ``timeout``, so that a collective that one
 rank never reaches fails with an error instead of hanging; :func:`teardown` leaves it. :func:`collective_bench`
 times work that contains collectives (every rank must make the same number of calls, which ``utils.bench.bench``
-does not guarantee), :func:`write_result` hands rank 0's numbers back to the notebook.
+does not guarantee), :func:`interleaved_bench` times several variants of a step in turns (so that drift in the
+machine falls on all of them alike), :func:`write_result` hands rank 0's numbers back to the notebook.
 
-Also here: bus bandwidth of an all-reduce, the communication/computation overlap in a profile, the bytes of model
-state a rank holds, and the link between two GPUs as ``nvidia-smi topo -m`` reports it with its specified rate.
+Also here: bus bandwidth of an all-reduce, the communication/computation overlap in a profile and what a step's time
+consists of (:func:`step_parts`, :func:`step_difference`), the bytes of model state a rank holds, the link between
+two GPUs as ``nvidia-smi topo -m`` reports it with its specified rate, and :class:`NcclDigest`, which keeps the
+few telling lines of ``NCCL_DEBUG=INFO`` output.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
+import gc
 import json
 import math
 import os
@@ -178,6 +182,40 @@ def failure_cause(lines: Sequence[str]) -> str | None:
             if match:
                 return match.group(0).strip()
     return None
+
+
+#: Kinds of NCCL_DEBUG=INFO lines that say how the GPUs are connected (see :class:`NcclDigest`).
+_NCCL_CHANNEL = re.compile(r"Channel (\d+)/\d+ : (\d+)\[\d+\] -> (\d+)\[\d+\] via (\S+)")
+_NCCL_KEPT = re.compile(r"NCCL version|NVLS|\bcoll channels\b")
+
+
+class NcclDigest:
+    """A ``launch(echo=...)`` filter for a run with ``NCCL_DEBUG=INFO``: it passes the script's own lines and NCCL's
+    warnings, and of NCCL's many INFO lines only those that say how the GPUs are connected, each once: the version,
+    what it says about NVLS (NVLink multicast), how many channels it uses, and for every pair of ranks, in each
+    direction, the transport of the first channel (e.g. ``0[0] -> 1[1] via P2P/CUMEM``). The lines it showed are
+    in ``kept``."""
+
+    def __init__(self) -> None:
+        self.kept: list[str] = []
+        self._seen: set[object] = set()
+
+    def __call__(self, line: str) -> bool:
+        if "NCCL INFO" not in line:
+            return True  # the script's own lines, NCCL's warnings, errors
+        message = line.split("NCCL INFO", 1)[1].strip()
+        channel = _NCCL_CHANNEL.search(message)
+        if channel:
+            key: object = ("channel", channel.group(2), channel.group(3))  # the first channel of each direction
+        elif _NCCL_KEPT.search(message):
+            key = message  # the same message from every rank: once
+        else:
+            return False
+        if key in self._seen:
+            return False
+        self._seen.add(key)
+        self.kept.append(line)
+        return True
 
 
 def launch(script: str | Path, nproc: int, args: Sequence[str] = (), *, timeout_s: float = 300.0,
@@ -415,6 +453,71 @@ def collective_bench(fn: Callable[[], object], ctx: Context, *, label: str, warm
                   calls_per_block=block, device=str(ctx.device))
 
 
+def interleaved_bench(builders: dict[str, Callable[[], Callable[[], object]]], ctx: Context, *, rounds: int = 5,
+                      warmup: int = 3, block_s: float = 0.25,
+                      measure: Callable[[str, Callable[[], object]], dict[str, Any]] | None = None,
+                      ) -> tuple[dict[str, Timing], dict[str, dict[str, Any]]]:
+    """Per-call time of several variants of a step (work that may contain collectives), measured in turns.
+
+    ``builders[label]()`` builds a variant afresh (its model, optimizer, ...) and returns its step function. In each
+    of ``rounds`` rounds every variant is built, warmed up (``warmup`` calls) and timed for one block of calls; the
+    order rotates from round to round and the variant is released before the next is built, so only one lives at a
+    time. Whatever drifts while the rounds run — clocks, the host's other work, the allocator's state — then falls
+    on every variant alike instead of on whichever ran last, and the spread over the rounds shows it. The calls per
+    block are fixed in the first round (about ``block_s`` seconds, the largest any rank wants) and the ranks start
+    every block together; median and IQR are over the rounds. On a GPU a garbage collection after each variant
+    returns its memory to the allocator even if part of it hangs in a reference cycle.
+
+    ``measure(label, step)``, if given, runs in the last round right after the variant's timed block (every rank
+    calls it: it may profile the step); what it returns is collected per label.
+
+    Returns: ``({label: Timing}, {label: measure's dict})``.
+    """
+    if not builders or rounds < 1 or warmup < 0 or block_s <= 0:
+        raise ValueError("interleaved_bench(): need at least one builder, rounds >= 1, warmup >= 0, block_s > 0")
+
+    def sync() -> None:
+        if ctx.device.type == "cuda":
+            torch.cuda.synchronize(ctx.device)
+
+    labels = list(builders)
+    calls: dict[str, int] = {}
+    times: dict[str, list[float]] = {label: [] for label in labels}
+    extras: dict[str, dict[str, Any]] = {}
+    for round_ in range(rounds):
+        shift = round_ % len(labels)
+        for label in labels[shift:] + labels[:shift]:
+            step = builders[label]()
+            for _ in range(warmup):
+                step()
+            sync()
+            if label not in calls:  # first round: how many calls make a block
+                torch.distributed.barrier()
+                start = timeit.default_timer()
+                step()
+                sync()
+                one_call_s = max(_agree(timeit.default_timer() - start, ctx), 1e-7)
+                calls[label] = max(1, math.ceil(block_s / one_call_s))
+            torch.distributed.barrier()
+            start = timeit.default_timer()
+            for _ in range(calls[label]):
+                step()
+            sync()
+            times[label].append((timeit.default_timer() - start) / calls[label])
+            if measure is not None and round_ == rounds - 1:
+                extras[label] = measure(label, step)
+            del step
+            if ctx.device.type == "cuda":  # its memory goes before the next variant is built, even if in a cycle
+                gc.collect()
+    out = {}
+    for label in labels:
+        t = times[label]
+        q1, q3 = statistics.quantiles(t, n=4, method="inclusive")[::2] if len(t) >= 2 else (t[0], t[0])
+        out[label] = Timing(label=label, median_s=statistics.median(t), iqr_s=q3 - q1, block_times_s=tuple(t),
+                            calls_per_block=calls[label], device=str(ctx.device))
+    return out, extras
+
+
 # ── What the numbers mean ──────────────────────────────────────────────────────────────────────────────────
 
 
@@ -474,6 +577,72 @@ def communication_overlap(kernels: Iterable[Any], steps: int = 1) -> dict[str, f
             "overlap_fraction": overlapped_us / comm_us if comm_us > 0 else math.nan}
 
 
+@dataclass(frozen=True)
+class StepParts:
+    """What one step's time consists of, from a timed step and a profile of it: ``compute_s`` (some kernel other
+    than communication runs), ``exposed_s`` (only communication runs: the all-reduce that computation does not
+    hide, waiting for the slower rank included) and ``idle_s`` (nothing runs: the device waits for the host to
+    give it work — Python, the framework's bookkeeping, kernel launches). On a CPU the "kernels" are PyTorch's
+    operators and ``idle_s`` is the time between them."""
+
+    step_s: float
+    compute_s: float
+    exposed_s: float
+    idle_s: float
+    on_gpu: bool
+
+    def names(self) -> dict[str, str]:
+        if self.on_gpu:
+            return {"idle_s": "GPU idle (waiting for the host to issue work)",
+                    "exposed_s": "communication that computation does not hide",
+                    "compute_s": "computation"}
+        return {"idle_s": "time between PyTorch's operators (Python, DDP's hooks)",
+                "exposed_s": "communication outside the operators", "compute_s": "time in operators"}
+
+    def __str__(self) -> str:
+        from utils.bench import format_seconds as fmt
+
+        names = self.names()
+        return f"step {fmt(self.step_s)}: " + ", ".join(
+            f"{names[k]} {fmt(getattr(self, k))} ({getattr(self, k) / self.step_s:.0%})"
+            for k in ("compute_s", "exposed_s", "idle_s"))
+
+
+def step_parts(profile: dict[str, float], step_s: float, *, on_gpu: bool) -> StepParts:
+    """Split a step of ``step_s`` (timed without the profiler) into computation, exposed communication and idle
+    time, from the per-step ``compute_s`` and ``exposed_s`` of :func:`communication_overlap` on its profile. Idle is
+    the rest of the step (never negative: the profile and the timing are separate runs)."""
+    compute, exposed = profile["compute_s"], profile["exposed_s"]
+    return StepParts(step_s, compute, exposed, max(0.0, step_s - compute - exposed), on_gpu)
+
+
+def _changes(base: StepParts, other: StepParts) -> dict[str, float]:
+    return {k: getattr(other, k) - getattr(base, k) for k in ("idle_s", "exposed_s", "compute_s")}
+
+
+def main_change(base: StepParts, other: StepParts) -> str:
+    """The name of the part of the step that moved most in the direction the whole step moved from ``base`` to
+    ``other`` (what made it longer, or shorter)."""
+    changes = _changes(base, other)
+    longer = other.step_s >= base.step_s
+    return base.names()[max(changes, key=lambda k: changes[k] if longer else -changes[k])]
+
+
+def step_difference(base: StepParts, other: StepParts) -> str:
+    """Where the time went between two steps: 'the step is 2.5 ms longer (13.2 ms → 15.7 ms): GPU idle (waiting
+    for the host to issue work) +2.0 ms, communication that computation does not hide +0.5 ms, computation
+    +0.0 ms — mostly GPU idle (...)': every part's change, largest first, and :func:`main_change` as the cause."""
+    from utils.bench import format_seconds as fmt
+
+    names = base.names()
+    changes = _changes(base, other)
+    listed = ", ".join(f"{names[k]} {'+' if changes[k] >= 0 else '−'}{fmt(abs(changes[k]))}"
+                       for k in sorted(changes, key=lambda k: -abs(changes[k])))
+    delta = other.step_s - base.step_s
+    return (f"the step is {fmt(abs(delta))} {'longer' if delta >= 0 else 'shorter'} ({fmt(base.step_s)} → "
+            f"{fmt(other.step_s)}): {listed} — mostly {main_change(base, other)}")
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t  # a DTensor shard: the part this rank holds
 
@@ -490,6 +659,18 @@ def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer |
                                     if isinstance(v, torch.Tensor) and v.dim() > 0)
     out["total"] = out["parameters"] + out["gradients"] + out["optimizer"]
     return out
+
+
+def batch_for_memory(total_bytes: int, *, fixed_bytes: float, per_item_bytes: float,
+                     choices: Sequence[int] = (128, 64, 32), share: float = 0.5) -> int:
+    """The largest batch of ``choices`` whose estimated memory, ``fixed_bytes + per_item_bytes × batch``, fits in
+    ``share`` of a device's ``total_bytes``; the smallest choice if none does."""
+    if not choices or total_bytes <= 0 or not 0 < share <= 1:
+        raise ValueError("batch_for_memory(): need choices, a positive total and 0 < share <= 1")
+    for batch in sorted(choices, reverse=True):
+        if fixed_bytes + per_item_bytes * batch <= share * total_bytes:
+            return batch
+    return min(choices)
 
 
 # ── How the GPUs are connected ─────────────────────────────────────────────────────────────────────────────
