@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import multiprocessing
 
 import pytest
 import torch
@@ -77,6 +78,48 @@ def test_workers_needed():
         ip.workers_needed(0, 100)
     with pytest.raises(ValueError, match="positive"):
         ip.workers_needed(100, math.nan)
+
+
+def test_loader_timing_streams_whole_rounds_and_ends_its_workers():
+    data = torch.utils.data.TensorDataset(torch.arange(7))  # fewer items than a round: the sampler wraps around
+    seen = []
+    timing = ip.loader_timing(data, workers=2, batch_size=3, consume=lambda batch: seen.append(batch[0].tolist()),
+                              min_run_time=0.05)
+    assert timing.median_s > 0 and timing.device == "cpu" and timing.label == "2 workers"
+    # warm-up, three probes and at least three timed blocks, each call a round of one batch per worker
+    assert len(seen) % 2 == 0 and len(seen) >= 2 * 7
+    assert all(len(b) == 3 for b in seen)
+    flat = [i for b in seen for i in b]
+    assert flat[:10] == [0, 1, 2, 3, 4, 5, 6, 0, 1, 2], "batches follow the endless sampler in order"
+    assert timing.calls * 2 * 3 <= len(flat)  # the Timing is per item: rounds × workers × batch items were timed
+    assert not multiprocessing.active_children(), "the worker processes should have ended"
+
+
+@pytest.mark.parametrize("kwargs", [{"workers": 0, "batch_size": 2}, {"workers": 1, "batch_size": 0},
+                                    {"workers": 1, "batch_size": 2, "prefetch_factor": 0}])
+def test_loader_timing_bad_input(kwargs):
+    with pytest.raises(ValueError, match="loader_timing"):
+        ip.loader_timing(torch.utils.data.TensorDataset(torch.arange(4)), **kwargs)
+    with pytest.raises(ValueError, match="empty"):
+        ip.loader_timing(torch.utils.data.TensorDataset(torch.arange(0)), workers=1, batch_size=1)
+
+
+def _fake_topology(root, cores):
+    """A sysfs CPU folder: logical CPU i on (package, core) cores[i]."""
+    for cpu, (package, core) in enumerate(cores):
+        folder = root / f"cpu{cpu}" / "topology"
+        folder.mkdir(parents=True)
+        (folder / "physical_package_id").write_text(f"{package}\n")
+        (folder / "core_id").write_text(f"{core}\n")
+
+
+def test_cpu_cores_counts_hyperthreads_once(tmp_path):
+    _fake_topology(tmp_path, [(0, 0), (0, 1), (0, 0), (0, 1), (1, 0), (1, 0)])  # two packages, hyper-threads
+    assert ip.cpu_cores(cpus=range(6), sysfs=tmp_path) == (6, 3)
+    assert ip.cpu_cores(cpus=[0, 1], sysfs=tmp_path) == (2, 2)  # an affinity mask of one thread per core
+    assert ip.cpu_cores(cpus=[0, 9], sysfs=tmp_path) == (2, None)  # unreadable topology: unknown, not a guess
+    logical, physical = ip.cpu_cores()  # this machine
+    assert logical >= 1 and (physical is None or 1 <= physical <= logical)
 
 
 def test_random_crop_boxes_lie_inside_and_follow_the_scale_and_ratio():
@@ -160,3 +203,19 @@ def test_gpu_decode_augment_on_cuda_is_reproducible(jpegs):
     assert first.device.type == "cuda" and first.shape == (6, 3, 64, 64)
     torch.testing.assert_close(first, second)
     torch.testing.assert_close(ip.normalize(first).float().mean(), ip.normalize(first.cpu()).float().mean().to(device))
+
+
+@needs_cuda
+def test_loader_timing_feeds_pinned_batches_to_the_gpu(tmp_path, jpegs):
+    data = ip.JpegFiles(ip.write_jpegs(jpegs, tmp_path), size=32)
+    moved = []
+
+    def to_gpu(batch):
+        x, y = batch
+        assert x.is_pinned()
+        moved.append(ip.normalize(x.cuda(non_blocking=True)).shape)
+
+    timing = ip.loader_timing(data, workers=2, batch_size=4, consume=to_gpu, pin_memory=True, min_run_time=0.05,
+                              device="cuda")
+    assert timing.median_s > 0 and moved and all(s == (4, 3, 32, 32) for s in moved)
+    assert not multiprocessing.active_children(), "the worker processes should have ended"

@@ -9,6 +9,9 @@
   ``device="cuda"`` (nvJPEG), then one random crop per image resized in one ``roi_align`` call, and flips.
 - :func:`one_worker_timing` — what one worker (one CPU thread) sustains; :func:`workers_needed` — how many such
   workers keep up with a training rate.
+- :func:`loader_timing` — what a ``DataLoader`` with N workers supplies in steady state (one live iterator, rounds
+  of N batches), optionally feeding each batch to a training step; :func:`cpu_cores` — the logical CPUs this process
+  may use and the physical cores behind them (the workers' budget).
 - :func:`normalize` — uint8 images on the device → the float batch a model trains on (ImageNet mean and std).
 
 torchvision 0.29 deprecates its image codecs in favour of TorchCodec and warns on every call; the functions here
@@ -18,9 +21,11 @@ silence that one warning (the codecs still work, and the course pins no TorchCod
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
+import os
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -160,6 +165,78 @@ def workers_needed(train_items_per_s: float, per_worker_items_per_s: float) -> i
         raise ValueError(f"workers_needed(): rates must be positive, got {train_items_per_s} and "
                          f"{per_worker_items_per_s}")
     return max(1, math.ceil(train_items_per_s / per_worker_items_per_s))
+
+
+class _Endless(torch.utils.data.Sampler):
+    """Indices 0 … n−1, over and over: a ``DataLoader`` on it streams batches until its iterator is dropped."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self) -> Iterator[int]:
+        return itertools.cycle(range(self.n))
+
+
+def loader_timing(dataset: torch.utils.data.Dataset, *, workers: int, batch_size: int,
+                  consume: Callable[[object], object] | None = None, pin_memory: bool = False,
+                  prefetch_factor: int = 2, min_run_time: float = 1.0, device: torch.device | str | None = None,
+                  label: str | None = None) -> Timing:
+    """What a ``DataLoader`` with ``workers`` worker processes supplies in steady state: a :class:`Timing` *per
+    item* (``1 / timing.median_s`` is items per second).
+
+    A ``DataLoader`` parallelises over batches, not items: each worker builds whole batches, one at a time. Timed
+    epoch by epoch, it shows its start-up (workers begin together, the queue fills) and, in an epoch of fewer
+    batches than workers, leaves workers idle. Here one iterator streams batches from an endless sampler; each timed
+    call takes one round of ``workers`` batches (each worker delivers about one) and hands each batch to
+    ``consume`` (e.g. copy it to the GPU and train on it; default: nothing); the first round, the workers' start,
+    is warm-up. The workers end before this returns.
+
+    Raises:
+        ValueError: for fewer than 1 worker, a batch size or prefetch factor below 1, or an empty dataset.
+    """
+    if workers < 1 or batch_size < 1 or prefetch_factor < 1:
+        raise ValueError(f"loader_timing(): need workers, batch_size and prefetch_factor >= 1, got {workers}, "
+                         f"{batch_size} and {prefetch_factor}")
+    if len(dataset) < 1:
+        raise ValueError("loader_timing(): the dataset is empty")
+    loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, sampler=_Endless(len(dataset)),
+                                         num_workers=workers, pin_memory=pin_memory, prefetch_factor=prefetch_factor)
+    batches = iter(loader)
+
+    def one_round() -> None:
+        for _ in range(workers):
+            batch = next(batches)
+            if consume is not None:
+                consume(batch)
+
+    try:
+        timing = bench(one_round, label=label or f"{workers} workers", device=device, warmup=1, min_blocks=3,
+                       min_run_time=min_run_time)
+    finally:
+        batches = None  # the iterator's last reference: its worker processes end here
+    items = workers * batch_size
+    return Timing(timing.label, timing.median_s / items, timing.iqr_s / items,
+                  tuple(t / items for t in timing.block_times_s), timing.calls_per_block, timing.device)
+
+
+def cpu_cores(*, cpus: Sequence[int] | None = None,
+              sysfs: str | Path = "/sys/devices/system/cpu") -> tuple[int, int | None]:
+    """``(logical, physical)``: the logical CPUs this process may run on (its affinity, which a container or a job
+    scheduler may restrict) and the physical cores behind them, read from Linux's CPU topology — two logical CPUs of
+    one core (hyper-threads) share its execution units. ``physical`` is None where the topology cannot be read
+    (another OS). ``cpus`` and ``sysfs`` are for tests."""
+    if cpus is None:
+        cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+    cpus = list(cpus)
+    cores = set()
+    for cpu in cpus:
+        topology = Path(sysfs) / f"cpu{cpu}" / "topology"
+        try:
+            cores.add((topology.joinpath("physical_package_id").read_text().strip(),
+                       topology.joinpath("core_id").read_text().strip()))
+        except OSError:
+            return len(cpus), None
+    return len(cpus), len(cores)
 
 
 def random_crop_boxes(n: int, height: int, width: int, *, scale: tuple[float, float] = (0.08, 1.0),
