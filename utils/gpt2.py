@@ -11,6 +11,8 @@ the reader is online.
 - :func:`load_hf_state_dict` — the Hugging Face checkpoint's tensors into this model (Conv1D weights transposed).
 - :func:`from_pretrained` — the weights and tokenizer from the Hugging Face hub when online, else a random
   initialisation and a sentence saying so.
+- :func:`save_checkpoint` / :func:`load_checkpoint` — the weights and a prompt in a folder, for the child processes
+  of notebook 08 (``scripts/hf_generate.py``, ``scripts/gpt2_export.py``).
 
 The layout follows Hugging Face's ``GPT2LMHeadModel`` exactly (same parameters, same arithmetic), so that loading
 its weights gives its logits; ``tests/test_gpt2.py`` checks that against ``transformers``.
@@ -18,9 +20,11 @@ its weights gives its logits; ``tests/test_gpt2.py`` checks that against ``trans
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -440,6 +444,42 @@ def reference_pair(config: GPT2Config | None = None, *, online: bool = True, see
     ours = GPT2(config)
     load_hf_state_dict(ours, hf.state_dict())
     return ours.eval(), hf.eval(), tokenizer, note
+
+
+def save_checkpoint(hf_model, prompt: torch.Tensor, directory: str | Path) -> Path:
+    """Hugging Face's GPT-2 and a prompt in ``directory``, for another process to load: ``config.json`` (the
+    model's configuration), ``model.safetensors`` (its tensors, the tied head left out as on the hub) and
+    ``prompt.pt``. Load ours with :func:`load_checkpoint`, theirs with ``GPT2LMHeadModel.from_pretrained``.
+    Returns the directory."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    hf_model.config.to_json_file(str(directory / "config.json"))
+    tensors = {k: v.detach().cpu().contiguous() for k, v in hf_model.state_dict().items() if k != "lm_head.weight"}
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    torch.save(prompt.detach().cpu(), directory / "prompt.pt")
+    return directory
+
+
+def load_checkpoint(directory: str | Path) -> tuple[GPT2, torch.Tensor]:
+    """Our :class:`GPT2` (fp32, CPU, eval) with the weights :func:`save_checkpoint` wrote, and the prompt.
+
+    Raises:
+        FileNotFoundError: naming the file missing from ``directory``.
+    """
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    for name in ("config.json", "model.safetensors", "prompt.pt"):
+        if not (directory / name).is_file():
+            raise FileNotFoundError(f"{directory} has no {name}: write it with utils.gpt2.save_checkpoint")
+    hf_config = json.loads((directory / "config.json").read_text())
+    config = GPT2Config(**{k: hf_config[k] for k in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head",
+                                                     "layer_norm_epsilon")})
+    model = GPT2(config)
+    load_hf_state_dict(model, load_file(str(directory / "model.safetensors")))
+    return model.eval(), torch.load(directory / "prompt.pt", weights_only=True)
 
 
 @dataclass(frozen=True)
