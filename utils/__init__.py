@@ -25,6 +25,8 @@
 - ``exercises`` the self-checks of the notebooks' exercises
 - ``input_pipeline`` JPEG decoding and augmentation on CPU workers or the GPU (``import utils.input_pipeline``:
   it loads torchvision's codecs, which the other notebooks do not need)
+- ``isolate`` steps that may crash or hang run in child processes with deadlines; crash traces and per-section
+  timing for the rest of a run (``import utils.isolate``: notebook 08's prototype steps)
 """
 
 from utils import (
