@@ -1,5 +1,6 @@
 """utils.playbook: the tips, the diagnosis of a profiled step, findings and their verdicts, idle gaps, rounding."""
 
+import re
 
 import matplotlib.figure
 import pytest
@@ -41,6 +42,12 @@ def test_conv_kernels_are_told_apart_from_matmuls():
     assert playbook.kind_of_kernel("void fft2d_r2c_32x32<float, false, 1u, false>") == "conv"  # cuDNN's FFT algorithm
     assert playbook.kind_of_kernel("void flip_filter<float, float>") == "conv"
     assert playbook.kind_of_kernel("void nchwToNhwcKernel<__nv_bfloat16>") == "other"  # a layout conversion
+    # by the operator that launched it: cuDNN runs some convolutions with kernels named like plain GEMMs
+    assert playbook.kind_of_kernel("sm90_xmma_gemm_bf16bf16_bf16f32", "aten::cudnn_convolution") == "conv"
+    assert playbook.kind_of_kernel("cutlass_80_tensorop_gemm", "aten::convolution_backward") == "conv"
+    assert playbook.kind_of_kernel("sm90_xmma_gemm_bf16bf16_bf16f32", "aten::mm") == "matmul"
+    assert playbook.kind_of_kernel("void nchwToNhwcKernel<__nv_bfloat16>", "aten::cudnn_convolution") == "other"
+    assert playbook.kind_of_kernel("void elementwise_kernel", "aten::_convert_indices_from_coo_to_csr") == "other"
 
 
 def test_diagnose_launch_bound_step_names_cuda_graphs():
@@ -63,6 +70,19 @@ def test_diagnose_gpu_bound_step_by_the_kind_with_most_time(kernels, kind, tip):
 def test_partly_launch_bound_adds_cuda_graphs():
     d = playbook.diagnose(gpu_profile(1000, [("ampere_sgemm_128x64_nn", 1, 650.0)]))
     assert d.bound == "partly launch-bound" and [t.key for t in d.tips] == ["tf32", "cuda_graphs"]
+
+
+def test_idle_longer_than_any_kind_of_kernel_puts_fewer_launches_first():
+    # idle 40% of the step (400 µs) outlasts the largest kind, convolutions (320 µs): launches first, then conv's tips
+    d = playbook.diagnose(gpu_profile(1000, [("sm90_xmma_fprop_implicit_gemm", 1, 320.0), ("bn_fw", 1, 280.0)]))
+    assert d.bound == "partly launch-bound" and d.largest == "launch" and d.share == pytest.approx(0.4)
+    assert [t.key for t in d.tips] == ["cuda_graphs", "fused_optimizer", "compile", "channels_last",
+                                       "cudnn_benchmark"]
+    assert "waits for the host 40% of the step, longer than any kind of kernel runs → try CUDA graphs" in str(d)
+    # elementwise work as the largest kind adds nothing: compile is a launch tip already
+    other = playbook.diagnose(gpu_profile(1000, [("vectorized_elementwise_kernel", 10, 30.0),
+                                                 ("sm90_xmma_gemm_f32", 1, 250.0)]))
+    assert other.largest == "launch" and [t.key for t in other.tips] == ["cuda_graphs", "fused_optimizer", "compile"]
 
 
 def test_diagnose_on_cpu_names_only_cpu_tips():
@@ -117,6 +137,51 @@ def test_findings_rows_print_and_chart(capsys):
     assert isinstance(findings.chart(title="t"), matplotlib.figure.Figure)
 
 
+def test_a_partial_gain_prints_its_measured_reason(capsys):
+    findings = playbook.Findings()
+    findings.measured("tf32", bench.compare(timing("fp32", 2e-3), timing("tf32", 1e-3)), why="matmuls are 40%")
+    out = capsys.readouterr().out
+    assert out.strip() == "tf32 vs fp32: 2.00× faster, but under the promised 3× — matmuls are 40%"
+    findings.measured("tf32", bench.compare(timing("fp32", 3e-3), timing("tf32", 1e-3)), label="full",
+                      why="not printed")
+    assert "as expected" in capsys.readouterr().out and findings["full"].holds == "yes"
+
+
+def test_profile_change_names_a_host_bound_result():
+    nchw = gpu_profile(33_300, [("sm90_xmma_fprop_implicit_gemm", 10, 318.0), ("bn_fw", 100, 243.2)])
+    nhwc = gpu_profile(31_500, [("sm90_xmma_fprop_implicit_gemm", 10, 254.0), ("bn_fw", 100, 125.6)])
+    text = playbook.profile_change(nchw, nhwc, kind="conv")
+    assert text.startswith("conv kernels 3.18 ms → 2.54 ms per step (1.25× faster); GPU busy 27.5 ms → 15.1 ms, "
+                           "110 → 110 kernels; GPU idle 17% → 52% of the step: the GPU work shrank 1.82×, but the "
+                           "GPU waits for the host 52% of the step (host-bound"), text
+    same = playbook.profile_change(nhwc, nhwc)
+    assert same.endswith(": the GPU work did not shrink") and "kernels per step" not in same
+    cpu = playbook.profile_change(gpu_profile(1000, [("aten::addmm", 2, 400.0)], on_gpu=False),
+                                  gpu_profile(600, [("aten::addmm", 2, 100.0)], on_gpu=False))
+    assert "operator busy 800 µs → 200 µs" in cpu and "Python and dispatch between operators take 67%" in cpu
+    assert "CUDA graphs" not in cpu
+    with pytest.raises(TypeError, match="StepProfile"):
+        playbook.profile_change(nchw, 1.0)
+    with pytest.raises(ValueError, match="kind"):
+        playbook.profile_change(nchw, nhwc, kind="gemm")
+
+
+def test_interleaved_alternates_the_variants_and_pools_their_blocks():
+    calls = []
+    variants = {"A": lambda: calls.append("A"), "B": lambda: calls.append("B")}
+    timings = playbook.interleaved(variants, rounds=4, device="cpu", warmup=0, min_run_time=0.004, min_blocks=8)
+    assert list(timings) == ["A", "B"] and all(t.label == name for name, t in timings.items())
+    assert all(len(t.block_times_s) >= 8 for t in timings.values())
+    # rounds A B | B A | A B | B A: consecutive rounds of one variant merge, so 5 uninterrupted runs, not 8
+    runs = [c for i, c in enumerate(calls) if i == 0 or calls[i - 1] != c]
+    assert runs == list("ABABA"), runs
+    assert bench.compare(timings["A"], timings["B"]).speedup > 0
+    with pytest.raises(ValueError, match="two variants"):
+        playbook.interleaved({"A": variants["A"]})
+    with pytest.raises(ValueError, match="rounds"):
+        playbook.interleaved(variants, rounds=1)
+
+
 def test_measured_for_names_where_a_tip_was_timed(capsys):
     findings = playbook.Findings()
     slow = bench.compare(timing("eager", 1e-3), timing("compiled", 2e-3))
@@ -167,6 +232,28 @@ def test_idle_gaps_between_kernels_with_their_ranges():
     assert playbook.idle_gaps([], top=3) == [] and len(playbook.idle_gaps(kernels, top=1)) == 1
     with pytest.raises(ValueError, match="top"):
         playbook.idle_gaps(kernels, top=-1)
+
+
+def test_kernels_belong_to_the_range_they_were_launched_in():
+    # "backward" launches from another thread: its kernels run on the GPU after the range's host time has ended
+    ranges = [("forward", 0.0, 100.0), ("backward", 100.0, 110.0), ("forward", 200.0, 300.0)]
+    kernels = [profile.Kernel("fwd", 50.0, 30.0, "aten::mm", 10.0), profile.Kernel("bwd1", 120.0, 40.0, "aten::mm",
+                                                                                  101.0),
+               profile.Kernel("bwd2", 160.0, 20.0, "aten::mm", 109.0), profile.Kernel("step", 190.0, 5.0, "", 150.0),
+               profile.Kernel("aten::relu", 250.0, 8.0)]  # a CPU operator: launched when it started
+    totals = playbook.range_totals(kernels, ranges)
+    assert totals["forward"] == playbook.RangeTotal("forward", 2, 200.0, 2, 38.0)
+    assert totals["backward"] == playbook.RangeTotal("backward", 1, 10.0, 2, 60.0)
+    assert playbook.range_totals([], ranges)["backward"].kernels == 0
+
+
+def test_a_gap_belongs_to_the_range_that_launched_the_kernel_it_waited_for():
+    ranges = [("forward", 0.0, 100.0), ("optimizer", 100.0, 200.0), ("optimizer.inner", 150.0, 180.0)]
+    kernels = [profile.Kernel("a", 0.0, 10.0, "aten::mm", 0.0), profile.Kernel("b", 60.0, 5.0, "aten::add", 55.0),
+               profile.Kernel("c", 170.0, 5.0, "aten::add_", 160.0)]
+    gaps = playbook.idle_gaps(kernels, ranges=ranges)
+    assert [(g.duration_us, g.next_kernel, g.inside) for g in gaps] == [(105.0, "c", "optimizer.inner"),
+                                                                       (50.0, "b", "forward")]
 
 
 def test_annotation_ranges_of_a_cpu_profile():
@@ -235,13 +322,13 @@ def test_tf32_matmul_error_is_of_the_class_of_rounding_to_10_bits():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_real_cudnn_convolution_kernels_are_classed_as_conv():
-    """The kernels cuDNN really runs for a convolution's forward and backward (NCHW and channels_last, fp32 and
-    16-bit) must land in the conv class, or diagnose() and the notebook's conv shares would call them matmuls."""
+    """The kernels cuDNN really runs for a convolution's forward and its two gradients (NCHW and channels_last, fp32
+    and 16-bit) land in the conv class: by name (cuDNN's fprop/dgrad/wgrad/implicit-GEMM kernels) or by the operator
+    that launched them. Not by their share of the time: on a small input layout conversions and elementwise kernels
+    can take longer than the convolutions themselves."""
     dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     for memory_format in (torch.contiguous_format, torch.channels_last):
         for amp in (None, dtype):
-            # convolution-heavy: 2·64·14²·512²·9 ≈ 59 GFLOP forward and as much for each gradient, against
-            # elementwise work on 6.4 M outputs
             conv = torch.nn.Conv2d(512, 512, 3, padding=1).cuda().to(memory_format=memory_format)
             x = torch.randn(64, 512, 14, 14, device="cuda").contiguous(memory_format=memory_format)
             x.requires_grad_(True)  # the input's gradient too (dgrad kernels), not only the weight's (wgrad)
@@ -251,11 +338,48 @@ def test_real_cudnn_convolution_kernels_are_classed_as_conv():
                     conv(x).float().square().mean().backward()
 
             prof = profile.profile_steps(step, steps=3, device="cuda")
-            kinds = playbook.time_by_class(prof)
-            names = sorted({k.name[:80] for k in prof.kernels})
-            assert kinds["conv"] >= 0.5 * sum(kinds.values()), f"{memory_format}, {amp}: {kinds}; kernels: {names}"
+            where = f"{memory_format}, {amp}: {sorted({(k.name[:60], k.op) for k in prof.kernels})}"
+            by_name = [k for k in prof.kernels if re.search(r"fprop|dgrad|wgrad|implicit_(gemm|convolve)", k.name)]
+            assert all(playbook.kind_of_kernel(k.name, k.op) == "conv" for k in by_name), where
+            for op in ("aten::cudnn_convolution", "aten::convolution_backward"):  # forward; both gradients
+                launched = [k for k in prof.kernels if k.op == op and not playbook.LAYOUT_CONVERSION.search(k.name)]
+                assert launched, f"no kernel launched by {op} — {where}"
+                assert all(playbook.kind_of_kernel(k.name, k.op) == "conv" for k in launched), where
             row = playbook.step_row(prof, "conv")
             assert row["conv"] != "0 ns" and set(row) >= {"conv", "matmul", "attention", "other", "idle"}
+            assert playbook.time_by_class(prof)["matmul"] == 0.0, where  # a convolution step runs no matmul
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_range_totals_give_backward_its_kernels_on_a_real_step():
+    """backward's kernels are launched from autograd's thread; by launch time they still land in its range, and
+    the disjoint phases' GPU time adds up to at most all of it."""
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10)).cuda()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(64, 256, device="cuda")
+
+    def step():
+        with torch.profiler.record_function("forward"):
+            loss = model(x).square().mean()
+        with torch.profiler.record_function("backward"):
+            loss.backward()
+        with torch.profiler.record_function("optimizer"):
+            optimizer.step()
+            optimizer.zero_grad()
+
+    step()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as raw:
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+    kernels = profile.gpu_kernels(raw)
+    totals = playbook.range_totals(kernels, playbook.annotation_ranges(raw))
+    phases = {name: totals[name] for name in ("forward", "backward", "optimizer")}
+    assert all(t.calls == 3 for t in phases.values())
+    assert phases["backward"].kernels >= phases["forward"].kernels >= 3 * 3  # two matmuls per forward, ≥ 4 backward
+    assert sum(t.device_us for t in phases.values()) <= 1.001 * sum(k.duration_us for k in kernels)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -273,7 +397,7 @@ def test_round_mantissa_and_relative_error_on_the_gpu():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_idle_gaps_and_ranges_of_a_step_with_a_forced_host_stall():
     """A step that sleeps on the host between two annotated ranges leaves an idle gap on the GPU at least that
-    long, found by idle_gaps and placed after the first range."""
+    long, found by idle_gaps and put down to the range that launched the kernel it waited for."""
     import time
 
     a = torch.randn(256, 256, device="cuda")
@@ -291,8 +415,8 @@ def test_idle_gaps_and_ranges_of_a_step_with_a_forced_host_stall():
                                             torch.profiler.ProfilerActivity.CUDA]) as raw:
         step()
         torch.cuda.synchronize()
-    ranges = playbook.annotation_ranges(raw, on_gpu=True)
+    ranges = playbook.annotation_ranges(raw)
     assert {name for name, _, _ in ranges} >= {"before", "after"}
     longest = playbook.idle_gaps(profile.gpu_kernels(raw), ranges=ranges, top=1)[0]
-    # it begins where "before" ends (at its boundary, or just inside by rounding), never inside "after"
-    assert longest.duration_us >= 4_000 and longest.inside in (None, "before")
+    # the GPU waited for the matmul that the host launched in "after", once it had slept
+    assert longest.duration_us >= 4_000 and longest.inside == "after"

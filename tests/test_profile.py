@@ -64,6 +64,68 @@ def test_step_time_from_the_caller_is_used_for_idle():
     assert prof.wall_s == 1.0 and prof.idle_fraction > 0.99
 
 
+class FakeEvent:
+    """A raw profiler event (torch.autograd._KinetoEvent's methods that utils.profile reads)."""
+
+    def __init__(self, name, device, correlation, linked=0, start_ns=0, annotation=False):
+        self._fields = (name, device, correlation, linked, start_ns, annotation)
+
+    def name(self):
+        return self._fields[0]
+
+    def device_type(self):
+        return self._fields[1]
+
+    def correlation_id(self):
+        return self._fields[2]
+
+    def linked_correlation_id(self):
+        return self._fields[3]
+
+    def start_ns(self):
+        return self._fields[4]
+
+    def is_user_annotation(self):
+        return self._fields[5]
+
+
+def test_link_launches_names_the_launching_operator_and_the_launch_time():
+    from torch.autograd import DeviceType
+
+    cpu, cuda = DeviceType.CPU, DeviceType.CUDA
+    events = [
+        FakeEvent("backward", cpu, 4, start_ns=1_000, annotation=True),
+        FakeEvent("aten::convolution_backward", cpu, 5, start_ns=2_000),
+        FakeEvent("cudaLaunchKernel", cpu, 77, linked=5, start_ns=3_000),  # the runtime call of kernel 77
+        FakeEvent("sm90_xmma_dgrad", cuda, 77, linked=5, start_ns=9_000),
+        FakeEvent("sm90_xmma_wgrad", cuda, 78, linked=5, start_ns=9_500),  # no runtime call seen: the op's start
+        FakeEvent("cudaStreamSynchronize", cpu, 5, start_ns=4_000),  # a CUPTI id equal to an op's: not an op
+        FakeEvent("Memcpy HtoD", cuda, 79, linked=99, start_ns=9_900),  # its operator is not in the profile
+        FakeEvent("cudaMemcpyAsync", cpu, 79, linked=99, start_ns=3_500),
+        FakeEvent("orphan kernel", cuda, 80, start_ns=9_990),  # no link at all
+    ]
+    links = profile.link_launches(events, trace_start_ns=1_000)
+    assert links == {77: ("aten::convolution_backward", 2.0), 78: ("aten::convolution_backward", 1.0),
+                     79: ("", 2.5)}
+
+
+def test_a_cpu_profile_has_no_launch_links_and_kernels_default_to_none():
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        torch.randn(8, 8) @ torch.randn(8, 8)
+    assert profile._launches(prof) == {} and profile.gpu_kernels(prof) == []
+    k = profile.Kernel("aten::mm", 0.0, 5.0)
+    assert k.op == "" and k.launched_us is None and k.end_us == 5.0
+
+
+def test_op_table_leaves_out_the_ranges():
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof, \
+            torch.profiler.record_function("my_range"):
+        torch.randn(64, 64) @ torch.randn(64, 64)
+    table = profile.op_table(prof, row_limit=20)
+    assert "aten::mm" in table and "my_range" not in table
+    assert "my_range" in prof.key_averages().table()  # what it leaves out
+
+
 def test_bad_arguments_are_clear_errors():
     with pytest.raises(TypeError, match="callable"):
         profile.profile_steps("not a function", device="cpu")
@@ -83,3 +145,30 @@ def test_gpu_kernels_exclude_annotations_and_fit_in_the_step():
     names = [k.name for k in prof.kernels]
     assert "my_range" not in names and prof.kernels_per_step >= 2
     assert prof.busy_s <= 1.05 * prof.wall_s and prof.time_by_kind()["matmul"] > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_kernels_carry_the_operator_that_launched_them_and_when():
+    """Backward kernels are launched from autograd's thread: their operator and launch time still come through."""
+    a = torch.randn(512, 512, device="cuda", requires_grad=True)
+
+    def step():
+        with torch.profiler.record_function("backward"):
+            (a @ a).relu().sum().backward()
+
+    step()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as raw:
+        step()
+        torch.cuda.synchronize()
+    kernels = profile.gpu_kernels(raw)
+    linked = [k for k in kernels if k.op and k.launched_us is not None]
+    assert len(linked) >= 0.9 * len(kernels), [(k.name[:40], k.op) for k in kernels]
+    assert any(k.op in ("aten::mm", "aten::matmul") for k in linked)  # the forward's matmul
+    # launched before it ran (the host's and the GPU's clocks are aligned to within a few µs)
+    assert all(k.launched_us <= k.start_us + 50 for k in linked)
+    ranges = [(e.name, e.time_range.start, e.time_range.end) for e in raw.events()
+              if getattr(e, "is_user_annotation", False) and e.device_type == torch.autograd.DeviceType.CPU]
+    (_, start, end), = [r for r in ranges if r[0] == "backward"]
+    assert all(start <= k.launched_us < end for k in linked)  # every kernel of this step, from either thread

@@ -45,11 +45,18 @@ _WRAPPERS = ("TorchDynamo", "Torch-Compiled", "Pregraph", "AOTDispatcher", "## "
 
 @dataclass(frozen=True)
 class Kernel:
-    """One piece of device work (a GPU kernel, copy or memset) or, on a CPU, one top-level operator call."""
+    """One piece of device work (a GPU kernel, copy or memset) or, on a CPU, one top-level operator call.
+
+    On a GPU, ``op`` is the innermost operator that launched it (``aten::cudnn_convolution``,
+    ``aten::convolution_backward``, ...) and ``launched_us`` when the host launched it, on the profile's clock; both
+    come from the profiler's correlation ids (:func:`gpu_kernels`) and stay empty where the profile has no link.
+    """
 
     name: str
     start_us: float
     duration_us: float
+    op: str = ""
+    launched_us: float | None = None
 
     @property
     def end_us(self) -> float:
@@ -173,10 +180,76 @@ def _format_us(us: float) -> str:
 
 
 def gpu_kernels(prof: profile) -> list[Kernel]:
-    """Every kernel, copy and memset the GPU ran in a finished profile, in start order, annotations left out."""
-    found = [Kernel(e.name, e.time_range.start, e.time_range.end - e.time_range.start) for e in prof.events()
-             if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)]
+    """Every kernel, copy and memset the GPU ran in a finished profile, in start order, annotations left out; each
+    with the operator that launched it and when (:class:`Kernel`), read from the profiler's correlation ids."""
+    launches = _launches(prof)
+    found = []
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False):
+            op, launched_us = launches.get(e.id, ("", None))
+            found.append(Kernel(e.name, e.time_range.start, e.time_range.end - e.time_range.start, op, launched_us))
     return sorted(found, key=lambda k: k.start_us)
+
+
+#: Names of CUDA runtime and driver calls (cudaLaunchKernel, cuLaunchKernelEx, ...): launches, not operators.
+_RUNTIME_CALL = re.compile(r"^cu(da)?[A-Z]")
+
+
+def _launches(prof: profile) -> dict[int, tuple[str, float]]:
+    """GPU activity's correlation id → (the operator that launched it, µs when the host launched it).
+
+    The profiler links each kernel, copy and memset, and the runtime call that launched it (``cudaLaunchKernel``),
+    to the innermost operator open on the launching thread (``linked_correlation_id``); the launch time is the
+    runtime call's start, else the operator's. Times are on the clock of ``prof.events()``. Empty when the profile
+    carries no such links."""
+    results = getattr(getattr(prof, "profiler", None), "kineto_results", None)
+    if results is None:
+        return {}
+    try:
+        return link_launches(results.events(), results.trace_start_ns())
+    except AttributeError:  # a torch whose raw events lack one of these methods: kernels stay unlinked
+        return {}
+
+
+def link_launches(events, trace_start_ns: int) -> dict[int, tuple[str, float]]:
+    """:func:`_launches` on raw profiler events (``torch.autograd._KinetoEvent``-like objects with ``name()``,
+    ``device_type()``, ``correlation_id()``, ``linked_correlation_id()``, ``start_ns()`` and
+    ``is_user_annotation()``)."""
+    ops: dict[int, tuple[str, float]] = {}
+    calls: dict[int, float] = {}  # runtime call's correlation id → its start (µs)
+    device: dict[int, int] = {}  # GPU activity's correlation id → the operator's correlation id
+    for e in events:
+        start_us = (e.start_ns() - trace_start_ns) / 1e3
+        linked = e.linked_correlation_id()
+        if e.device_type() == DeviceType.CPU:
+            if linked > 0:
+                calls[e.correlation_id()] = start_us
+            elif not e.is_user_annotation() and not _RUNTIME_CALL.match(e.name()):
+                ops[e.correlation_id()] = (e.name(), start_us)
+        elif linked > 0:
+            device[e.correlation_id()] = linked
+    links = {}
+    for correlation, op_id in device.items():
+        name, op_start = ops.get(op_id, ("", None))
+        launched = calls.get(correlation, op_start)
+        if launched is not None:
+            links[correlation] = (name, launched)
+    return links
+
+
+def op_table(prof: profile, *, row_limit: int = 10, max_name_column_width: int = 45) -> str:
+    """``prof.key_averages().table(...)`` without the rows of ``record_function`` ranges, sorted by the device time
+    each row took itself on a GPU profile (by self CPU time otherwise).
+
+    A range is drawn on the GPU's timeline around the kernels launched inside it, and the table credits it with
+    their time as its "Self CUDA" — time already in those kernels' own rows, so with the ranges the shares add up to
+    more than 100%. Ranges whose kernels run on another thread (backward, on autograd's) look empty there instead.
+    """
+    on_gpu = any(e.device_type == DeviceType.CUDA for e in prof.events())
+    averages = prof.key_averages()
+    averages[:] = [a for a in averages if not getattr(a, "is_user_annotation", False)]
+    return averages.table(sort_by="self_device_time_total" if on_gpu else "self_cpu_time_total", row_limit=row_limit,
+                          max_name_column_width=max_name_column_width)
 
 
 def cpu_operators(prof: profile) -> list[Kernel]:
