@@ -131,7 +131,7 @@ def function_source(script: str | Path, name: str) -> str:
     """
     import ast
 
-    path = _script_path(script)
+    path = script_path(script)
     source = path.read_text()
     for node in ast.parse(source).body:
         if isinstance(node, ast.FunctionDef) and node.name == name:
@@ -147,7 +147,8 @@ def torchrun_command(script: str | Path, nproc: int, args: Sequence[str] = ()) -
             str(script), *map(str, args)]
 
 
-def _script_path(script: str | Path) -> Path:
+def script_path(script: str | Path) -> Path:
+    """The file of ``script``: a path, or a name in the course's ``scripts/`` folder; a clear error if neither."""
     path = Path(script)
     if not path.is_absolute() and not path.exists():
         path = SCRIPTS_DIR / path
@@ -235,7 +236,7 @@ def launch(script: str | Path, nproc: int, args: Sequence[str] = (), *, timeout_
     """
     if nproc < 1 or timeout_s <= 0:
         raise ValueError(f"launch(): need nproc >= 1 and timeout_s > 0, got {nproc} and {timeout_s}")
-    path = _script_path(script)
+    path = script_path(script)
     out_dir = Path(tempfile.mkdtemp(prefix="course-dist-"))
     result_path = out_dir / "result.json"
     cmd = torchrun_command(path, nproc, [*args, "--result", str(result_path)])

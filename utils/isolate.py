@@ -38,10 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from utils.distributed import script_path
 from utils.extension import run_with_deadline
-
-SCRIPTS_DIR = Path(__file__).resolve().parents[1] / "scripts"
-"""Where the course's scripts live."""
 
 DONE = "done"
 """The stage a script reports when it finished everything it had to do."""
@@ -260,15 +258,6 @@ class ChildRun:
         return "\n".join(f"    {line}" for line in self.lines[-n:])
 
 
-def _script_path(script: str | Path) -> Path:
-    path = Path(script)
-    if not path.is_absolute() and not path.exists():
-        path = SCRIPTS_DIR / path
-    if not path.is_file():
-        raise FileNotFoundError(f"no script {script!r} (looked in {SCRIPTS_DIR})")
-    return path
-
-
 def run_script(script: str | Path, args: Sequence[object] = (), *, timeout_s: float,
                extra_env: dict[str, str] | None = None) -> ChildRun:
     """Run ``python script args --result PATH`` (``script``: a path, or a name in ``scripts/``) in a child process
@@ -283,7 +272,7 @@ def run_script(script: str | Path, args: Sequence[object] = (), *, timeout_s: fl
     """
     if timeout_s <= 0:
         raise ValueError(f"timeout_s must be positive, got {timeout_s}")
-    path = _script_path(script)
+    path = script_path(script)
     work = Path(tempfile.mkdtemp(prefix=f"{path.stem}-"))
     result_path, log_path = work / "result.json", work / "output.log"
     cmd = [sys.executable, str(path), *map(str, args), "--result", str(result_path)]
