@@ -196,3 +196,50 @@ def test_headline_for_a_notebook_not_yet_run():
     assert readme_tables.headline("00_install_check", None) == "not yet run on the reference GPU"
     with pytest.raises(KeyError, match="add '77_unknown'"):
         readme_tables.headline("77_unknown", {})
+
+
+def tqdm_widget_notebook(bars: dict[str, dict]) -> nbformat.NotebookNode:
+    """A notebook whose one cell shows the given tqdm bars as Jupyter saves them: the first drawing as text/plain,
+    the final state in metadata.widgets (HBox of HTML, FloatProgress, HTML with a Layout)."""
+    state, outputs = {}, []
+    for name, bar in bars.items():
+        state[f"{name}-layout"] = {"model_name": "LayoutModel", "state": bar.get("layout", {})}
+        state[f"{name}-left"] = {"model_name": "HTMLModel", "state": {"value": bar["left"]}}
+        state[f"{name}-bar"] = {"model_name": "FloatProgressModel", "state": {"value": bar["value"], "max": bar["max"]}}
+        state[f"{name}-right"] = {"model_name": "HTMLModel", "state": {"value": bar["right"]}}
+        state[name] = {"model_name": "HBoxModel", "state": {
+            "children": [f"IPY_MODEL_{name}-{part}" for part in ("left", "bar", "right")],
+            "layout": f"IPY_MODEL_{name}-layout"}}
+        outputs.append(nbformat.v4.new_output("display_data", data={
+            "application/vnd.jupyter.widget-view+json": {"model_id": name, "version_major": 2, "version_minor": 0},
+            "text/plain": f"{bar['left']}   0%|          | 0/{bar['max']:.0f} [00:00<?, ?it/s]"}))
+    outputs.append(nbformat.v4.new_output("stream", name="stdout", text="done\n"))
+    cell = nbformat.v4.new_code_cell("for _ in tqdm(range(7)): pass", outputs=outputs)
+    nb = nbformat.v4.new_notebook(cells=[cell])
+    nb.metadata["widgets"] = {reference_run.WIDGET_STATE: {"state": state, "version_major": 2, "version_minor": 0}}
+    return nb
+
+
+def test_settle_progress_bars_shows_how_each_bar_ended():
+    nb = tqdm_widget_notebook({
+        "kept": {"left": "sizes: 100%", "value": 7.0, "max": 7.0,
+                 "right": "\u20077/7\u2007[00:09&lt;00:00,\u20072.13s/it]"},
+        "half": {"left": "", "value": 2.0, "max": 4.0, "right": " 2/4 [00:01<00:01]"},
+        "gone": {"left": "inner: 100%", "value": 3.0, "max": 3.0, "right": " 3/3", "layout": {"visibility": "hidden"}},
+    })
+    assert reference_run.settle_progress_bars(nb) == 3
+    texts = [o["data"]["text/plain"] if "data" in o else o["text"] for o in nb.cells[0].outputs]
+    assert texts == ["sizes: 100%|██████████| 7/7 [00:09<00:00, 2.13s/it]", " 50%|█████     | 2/4 [00:01<00:01]",
+                     "done\n"]
+
+
+def test_settle_progress_bars_leaves_other_widgets_alone():
+    nb = tqdm_widget_notebook({})
+    slider = nbformat.v4.new_output("display_data", data={
+        "application/vnd.jupyter.widget-view+json": {"model_id": "s", "version_major": 2, "version_minor": 0},
+        "text/plain": "[controls: n = 3]"})
+    nb.cells[0].outputs.insert(0, slider)
+    nb.metadata["widgets"][reference_run.WIDGET_STATE]["state"]["s"] = {"model_name": "IntSliderModel",
+                                                                         "state": {"value": 3}}
+    assert reference_run.settle_progress_bars(nb) == 0
+    assert nb.cells[0].outputs[0]["data"]["text/plain"] == "[controls: n = 3]"

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import html as html_lib
 import json
 import sys
 import time
@@ -95,6 +96,54 @@ def execute(path: Path, *, cell_timeout: int, failed_dir: Path | None):
             nbformat.write(nb, failed_dir / path.name)
         return None
     return nb
+
+
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
+
+
+def settle_progress_bars(nb) -> int:
+    """Make each tqdm bar's saved output show how the bar ended, as the reader saw it live; return how many changed.
+
+    In Jupyter a ``tqdm.auto`` bar is a widget whose output keeps, as its ``text/plain`` fallback (what GitHub, nbviewer
+    and any reader without the widget state show), the bar as it was *drawn first*: "0%| | 0/7". The widget state that
+    the executing kernel saved in ``metadata.widgets`` holds the final one. A bar closed with ``leave=False`` is hidden
+    live: its output is dropped. A visible bar's fallback is rewritten from the state: description and
+    percentage, bar, counter and rate. Outputs of other widgets are left as they are.
+    """
+    state = nb.metadata.get("widgets", {}).get(WIDGET_STATE, {}).get("state", {})
+
+    def model(ref: object) -> dict:
+        key = ref[len("IPY_MODEL_"):] if isinstance(ref, str) and ref.startswith("IPY_MODEL_") else ref
+        return state.get(key, {}).get("state", {}) if isinstance(key, str) else {}
+
+    def text(html: object) -> str:
+        return html_lib.unescape(str(html or "")).replace("\u2007", " ").replace("&nbsp;", " ")
+
+    changed = 0
+    for cell in nb.cells:
+        kept = []
+        for output in cell.get("outputs", []):
+            view = output.get("data", {}).get(WIDGET_VIEW)
+            box = model(view.get("model_id")) if view else {}
+            children = [model(ref) for ref in box.get("children", [])]
+            if len(children) != 3 or "max" not in children[1]:  # not tqdm's HBox(HTML, FloatProgress, HTML)
+                kept.append(output)
+                continue
+            changed += 1
+            layout = model(box.get("layout"))
+            if layout.get("visibility") == "hidden" or layout.get("display") == "none":
+                continue  # leave=False: closed and hidden when it ended
+            value, total = float(children[1].get("value") or 0), float(children[1]["max"] or 0)
+            fraction = min(max(value / total, 0.0), 1.0) if total > 0 else 0.0
+            filled = round(10 * fraction)
+            left = text(children[0].get("value")).strip() or f"{100 * fraction:3.0f}%"  # "desc: 100%"
+            right = text(children[2].get("value")).rstrip()  # " 7/7 [00:09<00:00, 2.13s/it]"
+            output["data"]["text/plain"] = f"{left}|{'█' * filled}{' ' * (10 - filled)}|{right}"
+            kept.append(output)
+        if "outputs" in cell:
+            cell["outputs"] = kept
+    return changed
 
 
 def read_machine(path: Path) -> tuple[dict[str, str], str]:
@@ -181,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         if nb is None:
             failures += 1
             continue
+        settle_progress_bars(nb)
         nb.metadata["reference_run"] = {"sources_sha256": course.sources_sha256(nb), **stamp}
         nbformat.write(nb, path)
         figures = recorded_results(nb)
