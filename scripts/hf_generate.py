@@ -40,13 +40,14 @@ def measure(hf_model, prompt, new_tokens, options, reference, label, min_run_s, 
 
     row = progress.data["variants"].setdefault(label, {})
     before = compile_cache.graph_counts()
-    first_s, tokens = bench.first_call(generate)
+    first_s, tokens = bench.first_call(generate, device=prompt.device)
     compiled = compile_cache.graph_counts() - before
     row.update(first_call_s=first_s, graphs_compiled=compiled.compiled,
                greedy=gpt2.is_greedy(reference, tokens, prompt.shape[1]))
     progress.save()  # a timing that never ends still leaves this
     if row["greedy"]:  # a wrong answer is not worth timing: the notebook fails on it
-        timing = bench.bench(generate, label=label, warmup=1, min_blocks=3, min_run_time=min_run_s)
+        timing = bench.bench(generate, label=label, device=prompt.device, warmup=1, min_blocks=3,
+                             min_run_time=min_run_s)
         row["timing"] = dataclasses.asdict(timing)
         progress.save()
 

@@ -84,7 +84,7 @@ def test_loader_timing_streams_whole_rounds_and_ends_its_workers():
     data = torch.utils.data.TensorDataset(torch.arange(7))  # fewer items than a round: the sampler wraps around
     seen = []
     timing = ip.loader_timing(data, workers=2, batch_size=3, consume=lambda batch: seen.append(batch[0].tolist()),
-                              min_run_time=0.05)
+                              min_run_time=0.05, device="cpu")
     assert timing.median_s > 0 and timing.device == "cpu" and timing.label == "2 workers"
     # warm-up, three probes and at least three timed blocks, each call a round of one batch per worker
     assert len(seen) % 2 == 0 and len(seen) >= 2 * 7

@@ -191,6 +191,9 @@ def loader_timing(dataset: torch.utils.data.Dataset, *, workers: int, batch_size
     ``consume`` (e.g. copy it to the GPU and train on it; default: nothing); the first round, the workers' start,
     is warm-up. The workers end before this returns.
 
+    ``device`` is where ``consume`` works, for the timer (:func:`utils.bench.bench`'s default: the GPU when there
+    is one): pass ``"cpu"`` when it does no GPU work.
+
     Raises:
         ValueError: for fewer than 1 worker, a batch size or prefetch factor below 1, or an empty dataset.
     """
