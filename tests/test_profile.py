@@ -45,6 +45,35 @@ def test_kinds_and_top_kernels():
     assert len(top) == 2 and set(prof.summary_row("eager")) >= {"step", "busy", "idle", "kernels"}
 
 
+def test_compare_profiles_names_what_shrank_and_what_grew():
+    # the H200's BERT-Large fp32 case, per batch: the same largest matmul kernel got 1.2 ms faster, while other
+    # kernels and idle time grew, so the batch is about as long; matmul is 75% of eager's 12 ms
+    eager = steps_profile([("sm90_xmma_gemm_tf32", 0.0, 9000.0), ("vectorized_layer_norm", 9000.0, 2000.0)],
+                          wall_s=12e-3)
+    compiled = steps_profile([("sm90_xmma_gemm_tf32", 0.0, 7800.0), ("triton_per_fused_add_layer_norm", 7800.0,
+                                                                      2600.0)], wall_s=11.7e-3)
+    text = profile.compare_profiles(eager, compiled)
+    assert text.startswith("per step, eager → compiled: 2 → 2 kernels, 12 ms → 11.7 ms")
+    assert "matmul kernels shrank most (9 ms → 7.8 ms; the largest in both: sm90_xmma_gemm_tf32)" in text
+    assert ("other kernels grew most (2 ms → 2.6 ms; the largest eager: vectorized_layer_norm, compiled: "
+            "triton_per_fused_add_layer_norm)") in text
+    assert "matmul and attention kernels take 75% of eager's step" in text and "the other 25%" in text
+
+
+def test_compare_profiles_counts_idle_time_and_says_when_nothing_changed():
+    eager = steps_profile([("flash_fwd", 0.0, 100.0), ("elementwise", 100.0, 100.0)], wall_s=1e-3)  # 800 µs idle
+    graphed = steps_profile([("flash_fwd", 0.0, 100.0), ("elementwise", 100.0, 100.0)], wall_s=0.3e-3)
+    text = profile.compare_profiles(eager, graphed, names=("eager", "CUDA graph"))
+    assert "GPU idle time shrank most (800 µs → 100 µs)" in text and "no kind of time grew" in text
+    assert "10% of eager's step" in text
+    same = profile.compare_profiles(eager, eager)
+    assert "no kind of time shrank" in same and "no kind of time grew" in same
+    on_cpu = steps_profile([("aten::addmm", 0.0, 100.0)], on_gpu=False)
+    assert "time outside operators" in profile.compare_profiles(on_cpu, steps_profile([], on_gpu=False))
+    with pytest.raises(ValueError, match="same kind of device"):
+        profile.compare_profiles(eager, on_cpu)
+
+
 def test_profile_steps_on_cpu_lists_top_level_operators_and_saves_a_trace(tmp_path):
     layer = torch.nn.Linear(64, 64)
     x = torch.randn(32, 64)

@@ -4,6 +4,7 @@ how long it waits, the top kernels, time by kind (matmul, attention, other), and
     prof = utils.profile.profile_steps(lambda: train_step(...), step_s=timing.median_s, trace_path="step.json")
     print(prof.bottleneck())     # "launch-bound: the GPU is idle 62% of the step (47 kernels, 9.8 µs each) ..."
     utils.plot.table(prof.top_kernels(8))
+    print(utils.profile.compare_profiles(eager_prof, compiled_prof))  # which kind of time shrank, which grew
 
 On a GPU the kernels are what the GPU really ran — compute kernels, copies and memsets, as CUPTI records them.
 Ranges that code marks with ``record_function`` (e.g. ``Optimizer.step#AdamW.step``) are drawn on the GPU timeline
@@ -177,6 +178,60 @@ def _format_us(us: float) -> str:
     if us >= 1e3:
         return f"{us / 1e3:.3g} ms"
     return f"{us:.3g} µs"
+
+
+def _largest_of_kind(p: StepProfile, kind: str) -> str | None:
+    """The name of ``p``'s kernel of ``kind`` that takes the most time (every launch summed), or None."""
+    total = Counter()
+    for k in p.kernels:
+        if kind_of(k.name) == kind:
+            total[k.name] += k.duration_us
+    return total.most_common(1)[0][0] if total else None
+
+
+def compare_profiles(before: StepProfile, after: StepProfile, names: tuple[str, str] = ("eager", "compiled")) -> str:
+    """What changed from ``before`` to ``after``, two profiles of the same work (e.g. eager and compiled), as one
+    sentence for a verdict's reason.
+
+    Per call of the profiled function it gives the kernels and the wall time, then the kind of time that shrank
+    most and the kind that grew most — matmul, attention or other kernels, or idle time (the differences of
+    :meth:`StepProfile.time_by_kind` and :attr:`StepProfile.idle_s`; without kernels overlapping on two streams
+    they add up to the change in wall time) — each with its largest kernel in both versions ("the largest in
+    both" when it is the same kernel). Last, the share of ``before``'s wall time in matmul and attention kernels:
+    fusing the kernels around them does not remove them, so what fusion can save lies in the rest.
+
+    On a CPU the kernels are top-level operators and idle time is the time outside them: Python, dispatch, and the
+    C++ code that a compiled graph generates (it runs no operator the profiler sees).
+    """
+    if before.unit != after.unit or before.on_gpu != after.on_gpu:
+        raise ValueError(f"compare_profiles needs two profiles of the same kind of call on the same kind of device: "
+                         f"got a {before.unit} on {before.device} and a {after.unit} on {after.device}")
+    b_name, a_name = names
+    unit, what = after.unit, "kernels" if after.on_gpu else "operators"
+    idle = "GPU idle time" if after.on_gpu else "time outside operators (Python, dispatch, compiled C++ code)"
+    tb, ta = before.time_by_kind(), after.time_by_kind()
+    tb["idle"], ta["idle"] = before.idle_s, after.idle_s
+
+    def change(kind: str, verb: str) -> str:
+        label = idle if kind == "idle" else f"{kind} {what}"
+        text = f"{label} {verb} most ({_format_us(tb[kind] * 1e6)} → {_format_us(ta[kind] * 1e6)}"
+        if kind != "idle":
+            b_top, a_top = _largest_of_kind(before, kind), _largest_of_kind(after, kind)
+            short = {n: "none" if n is None else n[:60] for n in (b_top, a_top)}
+            text += (f"; the largest in both: {short[a_top]}" if b_top == a_top else
+                     f"; the largest {b_name}: {short[b_top]}, {a_name}: {short[a_top]}")
+        return text + ")"
+
+    deltas = {kind: ta[kind] - tb[kind] for kind in tb}
+    shrank, grew = min(deltas, key=deltas.get), max(deltas, key=deltas.get)
+    parts = [f"per {unit}, {b_name} → {a_name}: {before.kernels_per_step:.0f} → {after.kernels_per_step:.0f} {what}, "
+             f"{_format_us(before.wall_s * 1e6)} → {_format_us(after.wall_s * 1e6)}",
+             change(shrank, "shrank") if deltas[shrank] < 0 else "no kind of time shrank",
+             change(grew, "grew") if deltas[grew] > 0 else "no kind of time grew"]
+    fixed = (tb["matmul"] + tb["attention"]) / before.wall_s if before.wall_s > 0 else 0.0
+    parts.append(f"matmul and attention {what} take {fixed:.0%} of {b_name}'s {unit}: fusion does not remove them, "
+                 f"so what it can save lies in the other {max(0.0, 1 - fixed):.0%}")
+    return "; ".join(parts)
 
 
 def gpu_kernels(prof: profile) -> list[Kernel]:
