@@ -8,10 +8,11 @@ would wait forever. With ``init_process_group(timeout=...)``, gloo raises on ran
 watchdog aborts the process: either way torchrun sees a failed rank, stops the others, and the launch fails with
 the timeout named in its output.
 
-How soon NCCL's watchdog ends the process after the timeout depends on what it does first: by default it asks
-every rank to dump its flight recorder (a record of recent collectives and their stacks, for post-mortem
-debugging) and waits for that, which can take a minute. The notebook's demonstration switches that off with
-``TORCH_NCCL_DUMP_ON_TIMEOUT=0`` and ``TORCH_NCCL_TRACE_BUFFER_SIZE=0``; a real training run keeps it on.
+How soon NCCL's watchdog ends the process after the timeout depends on what it does first: it signals every rank
+to dump its flight recorder (a record of recent collectives and their stacks, for post-mortem debugging), then
+sleeps 4 × ``TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC`` (15 s by default: a minute) whether or not a dump was asked for.
+The notebook's demonstration runs with ``utils.distributed.FAIL_FAST_NCCL_ENV`` (no dump, a 1 s sleep); a real
+training run keeps the defaults.
 """
 
 import contextlib

@@ -51,6 +51,14 @@ def test_child_env_refuses_to_set_a_passed_through_variable(name):
         D.child_env(2, extra={name: "1"})
 
 
+def test_fail_fast_nccl_env_takes_no_dump_and_waits_a_second():
+    env = D.FAIL_FAST_NCCL_ENV
+    assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "0" and env["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "0"
+    assert 0 < 4 * int(env["TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC"]) <= 1000, "the watchdog sleeps 4× this (ms)"
+    assert D.child_env(2, extra=env, parent={})["TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC"] == "250"
+    assert not set(env) & set(D.PASSED_THROUGH)
+
+
 def test_launch_hands_the_child_environment_to_the_processes(monkeypatch):
     """launch() starts torchrun with child_env(): the multicast switches of the parent reach every process."""
     for name in D.PASSED_THROUGH:
@@ -142,7 +150,9 @@ def _parts(step, compute, exposed):
 def test_step_parts_split_the_step_and_name_what_grew():
     one, two = _parts(13.2e-3, 13.0e-3, 0.0), _parts(15.7e-3, 13.2e-3, 0.5e-3)
     assert math.isclose(two.idle_s, 2.0e-3) and math.isclose(one.idle_s, 0.2e-3)
-    assert _parts(1e-3, 0.9e-3, 0.2e-3).idle_s == 0.0, "never negative: the profile and the timing are separate runs"
+    over = _parts(1e-3, 0.9e-3, 0.2e-3)  # the profiled steps were busier than the timed one: separate runs
+    assert over.idle_s == 0.0 and math.isclose(over.compute_s + over.exposed_s, 1e-3), "the parts fill the step"
+    assert math.isclose(over.compute_s / over.exposed_s, 0.9 / 0.2), "in the profile's proportions"
     assert D.main_change(one, two).startswith("GPU idle")
     sentence = D.step_difference(one, two)
     assert sentence.startswith("the step is 2.5 ms longer") and "mostly GPU idle" in sentence
@@ -151,6 +161,10 @@ def test_step_parts_split_the_step_and_name_what_grew():
     assert D.main_change(one, comm_bound).startswith("communication")
     assert D.main_change(two, one).startswith("GPU idle"), "a shorter step: what shrank most"
     assert "shorter" in D.step_difference(two, one)
+    # notebook 10's H200 run: 13.2 ms (idle 0.70 ms) → 14.9 ms with a profile busier than the timed step
+    base, grown = _parts(13.2e-3, 12.5e-3, 0.0), _parts(14.9e-3, 13.62e-3, 2.72e-3)
+    changes = [getattr(grown, k) - getattr(base, k) for k in ("compute_s", "exposed_s", "idle_s")]
+    assert math.isclose(sum(changes), 14.9e-3 - 13.2e-3), "the parts' changes add up to the step's"
     assert "time between PyTorch's operators" in str(D.step_parts({"compute_s": 1.0, "exposed_s": 0.0}, 2.0,
                                                                     on_gpu=False))
 
@@ -236,6 +250,31 @@ def test_link_between_and_its_spec():
     assert D.link_spec_gbps("NV12", (8, 0))[0] == 300.0  # A100 SXM: 600 GB/s bidirectional
     assert D.link_spec_gbps("PIX", (8, 9), 31.5)[0] == 31.5
     assert D.link_spec_gbps("SYS", (8, 9))[0] is None and D.link_spec_gbps(None, (9, 0))[0] is None
+
+
+def test_gpu_topology_is_plain_text(monkeypatch):
+    monkeypatch.setattr(D.shutil, "which", lambda name: "/usr/bin/nvidia-smi")
+    monkeypatch.setattr(D.subprocess, "run", lambda *a, **k: SimpleNamespace(stdout=TOPOLOGY, returncode=0))
+    topology = D.gpu_topology()
+    assert "\x1b" not in topology and topology.splitlines()[0].split()[:2] == ["GPU0", "GPU1"]
+    assert D.link_between(topology, 0, 1) == "NV18"
+    monkeypatch.setattr(D.shutil, "which", lambda name: None)
+    assert D.gpu_topology() is None
+
+
+def test_peak_beyond_state_says_what_the_amounts_say():
+    gib = 2**30
+
+    def run(state, peak):
+        return {"state_bytes": {"total": state * gib}, "peak_bytes": peak * gib}
+
+    # notebook 10's H200 run: DDP 3.03 GiB of state in a 5.53 GiB peak, FSDP2 1.51 GiB in 2.72 GiB
+    sentence = D.peak_beyond_state(run(3.03, 5.53), run(1.51, 2.72))
+    assert "2.50 GiB with DDP and 1.21 GiB with FSDP2 (0.48×)" in sentence and "smaller too" in sentence
+    assert "about the same" in D.peak_beyond_state(run(3.0, 5.5), run(1.5, 4.0))
+    assert "larger" in D.peak_beyond_state(run(3.0, 5.5), run(1.5, 5.0))
+    with pytest.raises(ValueError, match="measured"):
+        D.peak_beyond_state({"state_bytes": {"total": 1}, "peak_bytes": None}, run(1.5, 2.7))
 
 
 def test_native_bf16():
@@ -372,15 +411,17 @@ def test_fsdp_script_on_two_gpus(tmp_path):
                    args=["--device", "cuda", "--timeout-s", 60, "--checkpoint-dir", tmp_path / "ckpt"])
     mem, too_big = run.result["memory"], run.result["too_big"]
     assert mem["fsdp"]["peak_bytes"] < mem["ddp"]["peak_bytes"]
+    assert "with DDP and" in D.peak_beyond_state(mem["ddp"], mem["fsdp"]), "notebook 10's sentence from real peaks"
     assert too_big["one_gpu"].startswith("out of memory") and too_big["fsdp_peak_bytes"] <= too_big["budget_bytes"]
 
 
 @needs_two_gpus
 def test_mismatched_collective_times_out_under_nccl_within_seconds():
-    """Without the flight-recorder dump (as notebook 10 runs it) the watchdog ends rank 0 right after the timeout."""
+    """With FAIL_FAST_NCCL_ENV (as notebook 10 runs it) the watchdog ends rank 0 about a second after the timeout,
+    not after its default minute of waiting for the ranks' flight-recorder dumps."""
     start = time.perf_counter()
     with pytest.raises(D.LaunchError, match="[Tt]imed out|[Tt]imeout") as err:
         D.launch("mismatched_collective.py", 2, timeout_s=120, echo=False, args=["--device", "cuda", "--timeout-s", 5],
-                 extra_env={"TORCH_NCCL_DUMP_ON_TIMEOUT": "0", "TORCH_NCCL_TRACE_BUFFER_SIZE": "0"})
+                 extra_env=D.FAIL_FAST_NCCL_ENV)
     assert not isinstance(err.value, D.LaunchTimeout)
     assert time.perf_counter() - start < 45, "the watchdog should end the run within seconds of the timeout"

@@ -65,6 +65,15 @@ SCRIPTS_DIR = ROOT / "scripts"
 #: service. The course never uses symmetric memory or multicast objects either.
 PASSED_THROUGH = ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS")
 
+#: Extra environment for a run that is meant to fail on a collective's timeout (notebook 10's demonstration and its
+#: test). When a collective fails, NCCL's watchdog signals every rank to dump its flight recorder and then sleeps
+#: 4 × ``TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC`` (15 s by default: a minute) before it ends the process, whether or not
+#: a dump was asked for (``Watchdog::runLoop`` in PyTorch's ``torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp``).
+#: Here no dump is taken, no collective is recorded for one, and that sleep is cut to 4 × 250 ms = 1 s, so the
+#: process ends about a second after the timeout. A real training run keeps the defaults, and its dumps.
+FAIL_FAST_NCCL_ENV = {"TORCH_NCCL_DUMP_ON_TIMEOUT": "0", "TORCH_NCCL_TRACE_BUFFER_SIZE": "0",
+                      "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "250"}
+
 #: Lines of a failed run that say why it failed, most telling first.
 _CAUSES = (re.compile(r"Watchdog caught collective operation timeout.*"),
            re.compile(r"[Tt]imed out.*|[Tt]imeout.*"),
@@ -612,9 +621,14 @@ class StepParts:
 def step_parts(profile: dict[str, float], step_s: float, *, on_gpu: bool) -> StepParts:
     """Split a step of ``step_s`` (timed without the profiler) into computation, exposed communication and idle
     time, from the per-step ``compute_s`` and ``exposed_s`` of :func:`communication_overlap` on its profile. Idle is
-    the rest of the step (never negative: the profile and the timing are separate runs)."""
+    the rest of the step. The profile and the timing are separate runs: where the profiled steps were busier than
+    the timed step is long, computation and exposed communication keep their proportions and fill the step (idle
+    0), so that the three parts always add up to ``step_s``."""
     compute, exposed = profile["compute_s"], profile["exposed_s"]
-    return StepParts(step_s, compute, exposed, max(0.0, step_s - compute - exposed), on_gpu)
+    busy = compute + exposed
+    if busy > step_s:
+        return StepParts(step_s, compute * step_s / busy, exposed * step_s / busy, 0.0, on_gpu)
+    return StepParts(step_s, compute, exposed, step_s - busy, on_gpu)
 
 
 def _changes(base: StepParts, other: StepParts) -> dict[str, float]:
@@ -662,6 +676,34 @@ def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer |
     return out
 
 
+def peak_beyond_state(ddp: dict[str, Any], fsdp: dict[str, Any], *, same_within: float = 0.1) -> str:
+    """What the peak memory of DDP and of FSDP2 holds beyond the model state, from the ``peak_bytes`` and
+    ``state_bytes["total"]`` of each (per rank, as ``scripts/fsdp_train.py`` reports them): both amounts, their
+    ratio, and what it says — smaller too, about the same (within ``same_within``) or larger with FSDP2.
+
+    Raises:
+        ValueError: without a measured peak (on a CPU) or with a peak below the state it includes.
+    """
+    from utils.memory import format_bytes
+
+    rest = {}
+    for kind, m in (("DDP", ddp), ("FSDP2", fsdp)):
+        if not m.get("peak_bytes") or m["peak_bytes"] < m["state_bytes"]["total"]:
+            raise ValueError(f"peak_beyond_state(): {kind}'s peak ({m.get('peak_bytes')}) must be measured and include "
+                             f"its state ({m['state_bytes']['total']} bytes)")
+        rest[kind] = m["peak_bytes"] - m["state_bytes"]["total"]
+    ratio = rest["FSDP2"] / rest["DDP"] if rest["DDP"] else math.inf
+    if ratio < 1 - same_within:
+        what = "smaller too, so sharding saved more than the state it divides"
+    elif ratio <= 1 + same_within:
+        what = "about the same: sharding divided the state, not the rest"
+    else:
+        what = "larger, which takes back part of what sharding the state saved"
+    return (f"the rest of the peak (activations, temporaries, DDP's gradient buckets or FSDP2's gathered layers) is "
+            f"{format_bytes(rest['DDP'])} with DDP and {format_bytes(rest['FSDP2'])} with FSDP2 ({ratio:.2f}×): "
+            f"{what}")
+
+
 def batch_for_memory(total_bytes: int, *, fixed_bytes: float, per_item_bytes: float,
                      choices: Sequence[int] = (128, 64, 32), share: float = 0.5) -> int:
     """The largest batch of ``choices`` whose estimated memory, ``fixed_bytes + per_item_bytes × batch``, fits in
@@ -677,8 +719,13 @@ def batch_for_memory(total_bytes: int, *, fixed_bytes: float, per_item_bytes: fl
 # ── How the GPUs are connected ─────────────────────────────────────────────────────────────────────────────
 
 
+#: A terminal control sequence (ESC [ parameters final-byte), such as the underline ``\x1b[4m`` … ``\x1b[0m``.
+_ANSI_ESCAPE = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]")
+
+
 def gpu_topology(timeout_s: float = 10.0) -> str | None:
-    """``nvidia-smi topo -m``: the matrix of how every pair of GPUs is connected, or None without nvidia-smi."""
+    """``nvidia-smi topo -m``: the matrix of how every pair of GPUs is connected, as plain text (terminal escape
+    sequences removed), or None without nvidia-smi."""
     exe = shutil.which("nvidia-smi")
     if exe is None:
         return None
@@ -686,7 +733,7 @@ def gpu_topology(timeout_s: float = 10.0) -> str | None:
         out = subprocess.run([exe, "topo", "-m"], capture_output=True, text=True, timeout=timeout_s, check=True)
     except (subprocess.SubprocessError, OSError):
         return None
-    return out.stdout
+    return _ANSI_ESCAPE.sub("", out.stdout)  # nvidia-smi underlines the header with terminal escapes, even in a pipe
 
 
 #: What the entries of ``nvidia-smi topo -m`` mean (its own legend, abbreviated).
@@ -702,7 +749,7 @@ TOPOLOGY_LEGEND = {
 
 def link_between(topology: str, a: int = 0, b: int = 1) -> str | None:
     """The entry of ``nvidia-smi topo -m`` for GPUs ``a`` and ``b`` ('NV18', 'PIX', 'SYS', ...), or None."""
-    rows = [re.sub(r"\x1b\[[0-9;]*m", "", line).split() for line in topology.splitlines()]
+    rows = [_ANSI_ESCAPE.sub("", line).split() for line in topology.splitlines()]
     header = next((r for r in rows if r and r[0] == "GPU0"), None)  # the header row starts with the first column
     row = next((r for r in rows if r and r[0] == f"GPU{a}" and r is not header), None)
     if header is None or row is None or f"GPU{b}" not in header:
