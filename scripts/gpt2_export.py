@@ -1,5 +1,6 @@
-"""torch.export and AOTInductor on the course's GPT-2, in a process of its own: export the model, compile it into a
-``.pt2`` package, load the package, run it, and compare its logits with the eager model's.
+"""torch.export and AOTInductor on the course's GPT-2, in a process of its own: export the model, check the exported
+program against eager, compile it into a ``.pt2`` package, load the package, run it, and compare its logits with the
+eager model's.
 
     python scripts/gpt2_export.py --checkpoint DIR --device cuda --result out.json
 
@@ -7,8 +8,10 @@
 ``utils.isolate.run_script`` with a deadline: AOTInductor is a prototype whose failures can be crashes (a
 segmentation fault while loading or running a package) rather than exceptions, and its compile can take minutes;
 in a child process neither can stop the notebook. The result JSON (written after every stage, so a crash still
-leaves the stages before it): the stage reached, the seconds of each stage, the package's size in bytes, and the
-relative error of the package's logits against eager (fp32).
+leaves the stages before it): the stage reached, the seconds of each stage, the relative error of the exported
+program's logits against eager (``exported_relative_error``: known before AOTInductor starts, so a crash there still
+shows the export correct), the package's size in bytes, and the relative error of the package's logits against
+eager (fp32).
 """
 
 import argparse
@@ -25,11 +28,17 @@ from utils import gpt2
 from utils.isolate import Progress
 
 
+def relative_error(logits, reference):
+    return ((logits - reference).norm() / reference.norm()).item()
+
+
 def export_compile_load(model, prompt, package_path, progress):
     """The deployment path, one timed stage each: a graph of ATen operators with the parameters
-    (torch.export), compiled ahead of time into a package (AOTInductor), loaded back and run."""
+    (torch.export), checked against eager, compiled ahead of time into a package (AOTInductor), loaded back and run."""
     with progress.timed("export"):
         exported = torch.export.export(model, (prompt,))
+    with progress.timed("check the exported program"), torch.inference_mode():
+        progress.data["exported_relative_error"] = relative_error(exported.module()(prompt), model(prompt))
     with progress.timed("AOTInductor compile"):
         path = torch._inductor.aoti_compile_and_package(exported, package_path=str(package_path))
     with progress.timed("load"):
@@ -54,8 +63,7 @@ def main() -> None:
     try:
         logits, path = export_compile_load(model, prompt, work / "gpt2.pt2", progress)
         with progress.timed("check against eager"), torch.inference_mode():
-            eager = model(prompt)
-            progress.data["relative_error"] = ((logits - eager).norm() / eager.norm()).item()
+            progress.data["relative_error"] = relative_error(logits, model(prompt))
         progress.data["package_bytes"] = path.stat().st_size
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -126,3 +126,25 @@ def test_no_host_sync_turns_a_synchronisation_error_into_feedback():
     # anything else propagates unchanged
     with pytest.raises(RuntimeError, match="another error"), exercises.no_host_sync("cpu", "keep it"):
         raise RuntimeError("another error")
+
+
+def test_no_host_sync_keeps_the_debug_modes_notice_out(monkeypatch):
+    """Setting sync-debug mode warns that it is a prototype: not shown, not an error under -W error, not a sync."""
+    import warnings
+
+    modes = []
+
+    def set_mode(mode):
+        modes.append(mode)
+        warnings.warn("Synchronization debug mode is a prototype feature and does not yet detect all synchronizing "
+                      "operations", UserWarning, stacklevel=2)
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", set_mode)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # any warning that escapes fails the test
+        with exercises.no_host_sync("cuda", "keep it"):
+            pass
+        with pytest.raises(exercises.Miss, match="host wait"), exercises.no_host_sync("cuda", "keep it"):
+            raise RuntimeError("called a synchronizing CUDA operation")
+    assert modes == ["error", "default", "error", "default"]  # set, and always reset

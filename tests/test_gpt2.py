@@ -127,12 +127,13 @@ def test_bad_inputs_are_clear_errors():
         gpt2.load_hf_state_dict(model, wrong_shape)
 
 
-def test_offline_gives_a_random_model_and_says_so(monkeypatch):
+def test_a_failed_download_gives_a_random_model_and_says_so(monkeypatch):
     import huggingface_hub
 
     def no_network(*args, **kwargs):
         raise OSError("no route to huggingface.co")
 
+    monkeypatch.setattr(gpt2, "hub_unreachable", lambda: None)  # the probe connected; the download fails
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", no_network)
     for name in ("HF_HUB_ETAG_TIMEOUT", "HF_HUB_DOWNLOAD_TIMEOUT"):
         monkeypatch.delenv(name, raising=False)  # restored afterwards: notebooks run in child processes inherit them
@@ -141,6 +142,51 @@ def test_offline_gives_a_random_model_and_says_so(monkeypatch):
     # huggingface_hub parses its timeouts with int(): "2.5" would break every later import of it in this process
     assert os.environ["HF_HUB_ETAG_TIMEOUT"] == os.environ["HF_HUB_DOWNLOAD_TIMEOUT"] == "3"
     assert gpt2.count_parameters(model) == 124_439_808  # GPT-2 small, embedding tied to the head
+
+
+def test_offline_goes_to_the_local_cache_without_a_request(monkeypatch, capfd):
+    """Where the probe finds no hub, the loaders only look in the local cache: no request, no retries on stderr."""
+    import huggingface_hub
+
+    asked = []
+
+    def cache_only(*args, local_files_only=False, **kwargs):
+        asked.append(local_files_only)
+        raise OSError("not in the cache")
+
+    monkeypatch.setattr(gpt2, "hub_unreachable", lambda: "gaierror: [Errno -3] Temporary failure in name resolution")
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", cache_only)
+    monkeypatch.setattr(transformers.GPT2LMHeadModel, "from_pretrained", cache_only)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", cache_only)
+    for name in ("HF_HUB_ETAG_TIMEOUT", "HF_HUB_DOWNLOAD_TIMEOUT"):
+        monkeypatch.delenv(name, raising=False)  # restored afterwards (the loaders set them)
+    _, tokenizer, note = gpt2.from_pretrained()
+    ours, hf, tokenizer_pair, note_pair = gpt2.reference_pair(online=True)
+    assert asked == [True, True]  # hf_hub_download, then GPT2LMHeadModel.from_pretrained: each cache-only, once
+    assert tokenizer is None and tokenizer_pair is None and gpt2.count_parameters(ours) == 124_439_808
+    for text in (note, note_pair):
+        assert text.startswith("random weights") and "\n" not in text
+        assert "huggingface.co could not be reached (gaierror: [Errno -3] Temporary failure in name resolution)" in text
+    assert capfd.readouterr().err == ""
+
+
+def test_hub_unreachable_asks_once_and_says_why(monkeypatch):
+    import socket
+
+    for name in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy", "HF_HUB_OFFLINE"):
+        monkeypatch.delenv(name, raising=False)
+    with socket.socket() as server:  # a port that accepts: reachable
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        assert gpt2.hub_unreachable("127.0.0.1", server.getsockname()[1], timeout_s=2) is None
+        closed = server.getsockname()[1]
+    reason = gpt2.hub_unreachable("127.0.0.1", closed, timeout_s=2)  # nothing listens there any more
+    assert reason is not None and "Connection" in reason
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert gpt2.hub_unreachable("127.0.0.1", closed) == "HF_HUB_OFFLINE is set"
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy.invalid:3128")  # a direct connection would bypass the proxy
+    assert gpt2.hub_unreachable("127.0.0.1", closed) is None
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -219,8 +265,14 @@ def test_reference_pair_offline_shares_weights():
 
 def test_decode_rate_arithmetic():
     model = gpt2.GPT2(gpt2.GPT2Config.tiny())
-    rate = gpt2.decode_rate("x", 0.5, model, batch=4, prompt=10, new_tokens=100, copy_gbps=1000.0)
+    # the prefill timed apart made the first of the 101 new tokens: 100 decode steps in 0.5 s
+    rate = gpt2.decode_rate("x", 0.5, model, batch=4, prompt=10, new_tokens=101, copy_gbps=1000.0)
     assert rate.tokens_per_s == pytest.approx(800) and rate.ms_per_token == pytest.approx(5.0)
     expected_gbps = gpt2.bytes_per_decode_step(model, 4, 60) * 200 / 1e9
     assert rate.gbps == pytest.approx(expected_gbps) and rate.pct_copy == pytest.approx(expected_gbps / 10)
     assert set(rate.row()) == {"variant", "tokens/s", "ms/token", "GB/s", "% of copy"}
+    # a loop without a separate prefill (the guide's): every one of the new tokens is a step of the time given
+    whole = gpt2.decode_rate("guide", 0.5, model, batch=1, prompt=10, new_tokens=100, prefill_included=True)
+    assert whole.ms_per_token == pytest.approx(5.0) and whole.pct_copy is None
+    with pytest.raises(ValueError, match="at least one step"):
+        gpt2.decode_rate("x", 0.5, model, batch=1, prompt=10, new_tokens=1)  # the prefill made the only token

@@ -3,6 +3,8 @@ export / AOTInductor script and the Hugging Face generate script, run through ut
 GPT-2 — on the CPU, and on a GPU where there is one (there transformers compiles the static cache and AOTInductor
 builds CUDA code: the steps that are isolated because they can crash)."""
 
+import signal
+
 import pytest
 import torch
 
@@ -37,13 +39,43 @@ def test_load_checkpoint_names_a_missing_file(tmp_path):
         gpt2.load_checkpoint(tmp_path)
 
 
+STAGES = ["load the checkpoint", "export", "check the exported program", "AOTInductor compile", "load", "run",
+          "check against eager"]
+
+
+def aoti_crash_stage(run: isolate.ChildRun) -> str | None:
+    """The stage, 'load' or 'run', in which AOTInductor's package crashed the script with a segmentation fault (as on
+    torch 2.11); None for any other outcome — success, an exception, a timeout, a crash elsewhere."""
+    crashed = not run.timed_out and run.returncode == -signal.SIGSEGV
+    return run.stage if crashed and run.stage in ("load", "run") else None
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_export_script_checks_the_package_against_eager(checkpoint, device):
     run = isolate.run_script("gpt2_export.py", ["--checkpoint", checkpoint[0], "--device", device], timeout_s=600)
+    result = run.result or {}
+    stage = aoti_crash_stage(run)
+    if stage is not None:  # a known prototype crash: everything before it must still have worked and been reported
+        assert result["exported_relative_error"] < 1e-4, "the exported program must match eager before AOTInductor"
+        assert list(result["seconds"]) == STAGES[:STAGES.index(stage)]
+        assert f"killed by SIGSEGV (Segmentation fault) in stage '{stage}'" in run.failure, run.failure
+        pytest.xfail(f"AOTInductor crashed {'loading' if stage == 'load' else 'running'} the package on torch "
+                     f"{torch.__version__}: stage '{stage}'")
     assert run.ok, f"{run.failure}\n{run.tail(30)}"
-    assert run.result["relative_error"] < 1e-4 and run.result["package_bytes"] > 0
-    assert list(run.result["seconds"]) == ["load the checkpoint", "export", "AOTInductor compile", "load", "run",
-                                           "check against eager"]
+    assert result["exported_relative_error"] < 1e-4 and result["relative_error"] < 1e-4
+    assert result["package_bytes"] > 0 and list(result["seconds"]) == STAGES
+
+
+def test_only_a_segfault_in_aotinductors_load_or_run_counts_as_its_known_crash():
+    def child(returncode, stage, timed_out=False):
+        return isolate.ChildRun("gpt2_export.py", returncode, timed_out, 60, 1.0, {"stage": stage, "seconds": {}})
+
+    assert aoti_crash_stage(child(-signal.SIGSEGV, "load")) == "load"
+    assert aoti_crash_stage(child(-signal.SIGSEGV, "run")) == "run"
+    for other in (child(-signal.SIGSEGV, "AOTInductor compile"), child(-signal.SIGSEGV, "export"),
+                  child(-signal.SIGABRT, "load"), child(1, "load"), child(None, "load", timed_out=True),
+                  child(0, isolate.DONE)):
+        assert aoti_crash_stage(other) is None, other
 
 
 @pytest.mark.parametrize("device", DEVICES)

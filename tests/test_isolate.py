@@ -49,6 +49,41 @@ def test_a_segfault_is_reported_with_its_stage_and_python_stack(tmp_path):
     assert any("child.py" in line for line in run.lines), "the Python stack names the line that crashed"
 
 
+def test_the_tail_of_a_crash_shows_the_crashing_thread_only(tmp_path):
+    """faulthandler dumps every thread and then names every loaded C module: the tail keeps the crashing stack."""
+    body = """\
+        import threading
+        import numpy  # an extension module: faulthandler lists those after the stacks
+
+        def idle_worker():
+            time.sleep(60)
+
+        def crash_here():
+            os.kill(os.getpid(), signal.SIGSEGV)
+
+        threading.Thread(target=idle_worker, daemon=True).start()
+        time.sleep(0.2)
+        crash_here()
+    """
+    run = isolate.run_script(script(tmp_path, body), timeout_s=60)
+    assert run.returncode == -11 and any("idle_worker" in line for line in run.lines)  # all threads were dumped
+    tail = run.tail(30)
+    assert "Current thread" in tail and "crash_here" in tail and "Fatal Python error: Segmentation fault" in tail
+    assert "idle_worker" not in tail and "Extension modules" not in tail and "\n    Thread 0x" not in tail
+
+
+def test_crash_report_lines_keep_a_dump_without_a_current_thread():
+    crash = ["▶ load", "Fatal Python error: Segmentation fault", "", "Thread 0x00007f01 (most recent call first):",
+             '  File "pool.py", line 3 in worker', "", "Current thread 0x00007f02 (most recent call first):",
+             '  File "run.py", line 9 in load', "", "Extension modules: numpy._core, torch._C (total: 2)", ""]
+    assert isolate.crash_report_lines(crash) == [
+        "▶ load", "Fatal Python error: Segmentation fault", "", "Current thread 0x00007f02 (most recent call first):",
+        '  File "run.py", line 9 in load']
+    watchdog = ["Timeout (0:05:00)!", "Thread 0x00007f01 (most recent call first):", '  File "a.py", line 1 in f',
+                "", "Thread 0x00007f02 (most recent call first):", '  File "b.py", line 2 in g', "then more output"]
+    assert isolate.crash_report_lines(watchdog) == watchdog  # no crash: every thread's stack stays
+
+
 def test_an_abort_is_reported(tmp_path):
     run = isolate.run_script(script(tmp_path, "os.abort()\n"), timeout_s=60)
     assert run.returncode == -6 and "SIGABRT" in run.failure

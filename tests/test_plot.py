@@ -42,6 +42,28 @@ def test_bar_has_title_labels_and_reference(tmp_path):
     assert (tmp_path / "bar.png").stat().st_size > 1000
 
 
+def test_horizontal_bar_ticks_are_few_and_readable():
+    """Long labels and a 16,000-wide axis: few ticks, with thousands separators (not '1000015000'), and the legend
+    below the axes, so that nothing runs together."""
+    labels = ["guide loop (autocast, inference_mode)", "static KV cache, bfloat16 weights", "compiled, in a graph"]
+    fig = plot.bar(labels, [237.0, 261.0, 1698.0], ylabel="tokens/s", title="Decoding", horizontal=True,
+                   reference=16381.0, reference_label="memory limit", highlight=[2])
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = FigureCanvasAgg(fig)  # the figure comes back closed: draw it on a canvas of its own
+    canvas.draw()  # the tick labels exist from here
+    ax = fig.axes[0]
+    ticks = [t.get_text() for t in ax.get_xticklabels() if t.get_text()]
+    assert 2 <= len(ticks) <= 5 and "5,000" in ticks and "10,000" in ticks
+    (legend,) = fig.legends
+    assert [t.get_text() for t in legend.get_texts()] == ["memory limit"]
+    renderer = canvas.get_renderer()
+    legend_box = legend.get_window_extent(renderer)
+    assert legend_box.y1 <= ax.get_tightbbox(renderer).y0 + 1  # under the axes and the value label, not over bars
+    shown = fig.get_tightbbox(renderer)  # what Jupyter's inline backend keeps (bbox_inches="tight"), in inches
+    assert shown.y0 * fig.dpi <= legend_box.y0 + 1, "the legend must not be cropped off"
+
+
 def test_bar_rejects_mismatched_lengths():
     with pytest.raises(ValueError):
         plot.bar(["a"], [1.0, 2.0], ylabel="y", title="t")

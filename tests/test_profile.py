@@ -87,6 +87,20 @@ def test_profile_steps_on_cpu_lists_top_level_operators_and_saves_a_trace(tmp_pa
     assert "on the CPU" in prof.bottleneck()
 
 
+def test_operator_calls_count_nested_calls_per_step():
+    """Casts inside another operator (autocast's, inside aten::linear) are counted, though not listed as kernels."""
+    layer = torch.nn.Linear(64, 64)
+    x = torch.randn(8, 64)
+
+    def step():
+        with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):  # no cache: casts on every call
+            layer(x)
+
+    prof = profile.profile_steps(step, steps=3, device="cpu")
+    assert prof.calls_per_step("aten::_to_copy") == 3  # the input, the weight and the bias, to bfloat16
+    assert "aten::_to_copy" not in [k.name for k in prof.kernels] and prof.calls_per_step("aten::nothing") == 0
+
+
 def test_step_time_from_the_caller_is_used_for_idle():
     prof = profile.profile_steps(lambda: torch.randn(16, 16) @ torch.randn(16, 16), steps=2, device="cpu",
                                  step_s=1.0)
@@ -174,6 +188,7 @@ def test_gpu_kernels_exclude_annotations_and_fit_in_the_step():
     names = [k.name for k in prof.kernels]
     assert "my_range" not in names and prof.kernels_per_step >= 2
     assert prof.busy_s <= 1.05 * prof.wall_s and prof.time_by_kind()["matmul"] > 0
+    assert prof.calls_per_step("aten::relu") == 1  # operators are counted on a GPU profile too
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -10,7 +10,8 @@ the reader is online.
 - :class:`DynamicKVCache` — the cache most tutorials write: keys and values grow with ``torch.cat`` every token.
 - :func:`load_hf_state_dict` — the Hugging Face checkpoint's tensors into this model (Conv1D weights transposed).
 - :func:`from_pretrained` — the weights and tokenizer from the Hugging Face hub when online, else a random
-  initialisation and a sentence saying so.
+  initialisation and a sentence saying so; :func:`hub_unreachable` asks once first, so an offline machine goes
+  straight to its local cache instead of retrying every request.
 - :func:`save_checkpoint` / :func:`load_checkpoint` — the weights and a prompt in a folder, for the child processes
   of notebook 08 (``scripts/hf_generate.py``, ``scripts/gpt2_export.py``).
 
@@ -23,6 +24,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import socket
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -219,30 +222,71 @@ def _hub_timeouts(timeout_s: float) -> None:
     os.environ.setdefault("HF_HUB_DOWNLOAD_TIMEOUT", str(max(1, math.ceil(timeout_s))))
 
 
+def hub_unreachable(host: str = "huggingface.co", port: int = 443, timeout_s: float = 3.0) -> str | None:
+    """Why the Hugging Face hub cannot be reached from here, or None when it can (or when that is for the hub's own
+    client to find out: a proxy is configured, which a direct connection would bypass).
+
+    One TCP connection to ``host:port``, given ``timeout_s`` in all (name resolution included, which a socket
+    timeout does not bound: the attempt runs in a daemon thread). ``HF_HUB_OFFLINE=1`` counts as unreachable.
+    Asking once, before any download, is what keeps an offline machine from a minute of huggingface_hub's
+    retries (five per file, each logged to stderr).
+    """
+    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
+        return "HF_HUB_OFFLINE is set"
+    if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return None
+    outcome: list[str | None] = []
+
+    def attempt() -> None:
+        try:
+            socket.create_connection((host, port), timeout=timeout_s).close()
+            outcome.append(None)
+        except OSError as err:
+            outcome.append(f"{type(err).__name__}: {err}")
+
+    thread = threading.Thread(target=attempt, name="hub-probe", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    return outcome[0] if outcome else f"no connection to {host}:{port} within {timeout_s:g} s"
+
+
+def _random_weights_note(initialised: str, unreachable: str | None, err: Exception) -> str:
+    """The one line saying that the weights are random, and why."""
+    if unreachable is not None:
+        why = f"huggingface.co could not be reached ({unreachable}) and GPT-2 is not in the local cache"
+    else:
+        first = (str(err).strip().splitlines() or [""])[0][:140]
+        why = f"the hub could not be read ({type(err).__name__}: {first})"
+    return (f"random weights ({initialised}) in GPT-2 small's shape: {why}; text is token ids, and what it "
+            "generates is noise")
+
+
 def from_pretrained(name: str = HUB_NAME, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                     timeout_s: float = 10.0):
     """GPT-2's real weights and tokenizer from the Hugging Face hub, or a random model offline.
 
     Returns ``(model, tokenizer, note)``: ``tokenizer`` is a ``transformers`` tokenizer, or None offline (then work
     with token ids); ``note`` is one sentence saying which you got and why. The download uses
-    ``huggingface_hub`` (cached in its usual place) with ``timeout_s`` for each request.
+    ``huggingface_hub`` (cached in its usual place) with ``timeout_s`` for each request; when
+    :func:`hub_unreachable` says the hub cannot be reached, only the local cache is tried (no request, no retries).
     """
     config = GPT2Config()
     model = GPT2(config)
+    unreachable = hub_unreachable()
+    offline = unreachable is not None
     try:
         _hub_timeouts(timeout_s)
         from huggingface_hub import hf_hub_download
         from safetensors.torch import load_file
         from transformers import AutoTokenizer
 
-        load_hf_state_dict(model, load_file(hf_hub_download(name, "model.safetensors")))
-        tokenizer = AutoTokenizer.from_pretrained(name)
-        note = f"GPT-2 small's real weights and tokenizer from the Hugging Face hub ({name})"
+        load_hf_state_dict(model, load_file(hf_hub_download(name, "model.safetensors", local_files_only=offline)))
+        tokenizer = AutoTokenizer.from_pretrained(name, local_files_only=offline)
+        note = f"GPT-2 small's real weights and tokenizer from the Hugging Face hub ({name})" + (
+            ", from the local cache: the hub could not be reached" if offline else "")
     except Exception as err:  # offline, no huggingface_hub/transformers, a proxy, a changed file: say which
         tokenizer = None
-        first = (str(err).strip().splitlines() or [""])[0][:160]
-        note = (f"random weights (GPT-2 small's shape, its initialisation): the hub could not be reached or read "
-                f"({type(err).__name__}: {first}); text is token ids, and what it generates is noise")
+        note = _random_weights_note("GPT-2's initialisation", unreachable, err)
     return model.to(device=device, dtype=dtype).eval(), tokenizer, note
 
 
@@ -417,7 +461,8 @@ def reference_pair(config: GPT2Config | None = None, *, online: bool = True, see
 
     With ``online`` and the default config, the real GPT-2 small weights and tokenizer come from the hub (its
     files are cached by ``huggingface_hub``); otherwise — offline, or any other config — the Hugging Face model is
-    initialised randomly from ``seed``. Returns ``(ours, hf, tokenizer or None, note)``.
+    initialised randomly from ``seed``. Returns ``(ours, hf, tokenizer or None, note)``. When
+    :func:`hub_unreachable` says the hub cannot be reached, only the local cache is tried: no request, no retries.
     """
     import transformers
 
@@ -429,15 +474,17 @@ def reference_pair(config: GPT2Config | None = None, *, online: bool = True, see
     hf = tokenizer = None
     note = f"random weights (seed {seed}) in GPT-2's shape: offline, or a small configuration"
     if online and config == GPT2Config():
+        unreachable = hub_unreachable()
+        offline = unreachable is not None
         try:
             _hub_timeouts(10)
-            hf = transformers.GPT2LMHeadModel.from_pretrained(HUB_NAME)
-            tokenizer = transformers.AutoTokenizer.from_pretrained(HUB_NAME)
-            note = f"GPT-2 small's real weights and tokenizer from the Hugging Face hub ({HUB_NAME})"
+            hf = transformers.GPT2LMHeadModel.from_pretrained(HUB_NAME, local_files_only=offline)
+            tokenizer = transformers.AutoTokenizer.from_pretrained(HUB_NAME, local_files_only=offline)
+            note = f"GPT-2 small's real weights and tokenizer from the Hugging Face hub ({HUB_NAME})" + (
+                ", from the local cache: the hub could not be reached" if offline else "")
         except Exception as err:  # offline, a proxy, a changed file: say which, and carry on with random weights
-            first = (str(err).strip().splitlines() or [""])[0][:140]
-            note = (f"random weights (seed {seed}) in GPT-2 small's shape: the hub could not be reached "
-                    f"({type(err).__name__}: {first}); text is token ids, and what it generates is noise")
+            hf = tokenizer = None
+            note = _random_weights_note(f"seed {seed}", unreachable, err)
     if hf is None:
         torch.manual_seed(seed)
         hf = transformers.GPT2LMHeadModel(hf_config)
@@ -498,13 +545,24 @@ class DecodeRate:
 
 
 def decode_rate(label: str, seconds: float, model: GPT2, *, batch: int, prompt: int, new_tokens: int,
-                copy_gbps: float | None = None) -> DecodeRate:
+                copy_gbps: float | None = None, prefill_included: bool = False) -> DecodeRate:
     """Turn the time of generating ``new_tokens`` after a ``prompt``-token prompt into a :class:`DecodeRate`.
 
-    ``seconds`` should cover the decode steps only (the prefill timed apart); bytes per step are counted at the
-    average context, ``prompt + new_tokens / 2``.
+    By default ``seconds`` covers the decode steps only, the prefill timed apart: the prefill makes the first new
+    token, so those seconds are ``new_tokens − 1`` steps. ``prefill_included=True`` is for a loop without a separate
+    prefill (the guide's, which re-runs the whole sequence for every token): its ``seconds`` make all
+    ``new_tokens``, one forward pass each. Bytes per step are counted at the average context,
+    ``prompt + new_tokens / 2``.
+
+    Raises:
+        ValueError: for no step to count (``new_tokens`` 1 with the prefill apart) or ``seconds`` ≤ 0.
     """
-    steps_per_s = new_tokens / seconds
+    steps = new_tokens if prefill_included else new_tokens - 1
+    if steps < 1 or seconds <= 0:
+        raise ValueError(f"decode_rate() needs at least one step and a positive time: {steps} steps "
+                         f"({new_tokens} new tokens, prefill {'included' if prefill_included else 'apart'}) "
+                         f"in {seconds} s")
+    steps_per_s = steps / seconds
     bytes_per_step = bytes_per_decode_step(model, batch, prompt + new_tokens // 2)
     gbps = bytes_per_step * steps_per_s / 1e9
     return DecodeRate(label, batch * steps_per_s, 1e3 / steps_per_s, gbps,

@@ -203,6 +203,35 @@ def describe_exit(returncode: int | None) -> str:
     return f"exit code {returncode}"
 
 
+#: faulthandler's header of one thread's stack: "Thread 0x00007f… (most recent call first):" for another thread,
+#: "Current thread 0x00007f… (most recent call first):" for the one that crashed.
+_THREAD_HEADER = re.compile(r"^(Current thread|Thread) 0x[0-9a-fA-F]+ \(most recent call first\):\s*$")
+
+
+def crash_report_lines(lines: Sequence[str]) -> list[str]:
+    """``lines`` of a child's output with faulthandler's crash report cut to the crashing thread: where the output
+    has a "Current thread 0x… (most recent call first):" stack, the stacks of the other threads ("Thread 0x…"
+    blocks: a compiler's worker pool, a progress bar) and the "Extension modules: …" line (a few hundred characters
+    naming every loaded C module) are left out. A report without a current thread (a watchdog's dump of every
+    thread) keeps all its stacks."""
+    lines = list(lines)
+    crashed = any(_THREAD_HEADER.match(line) and line.startswith("Current") for line in lines)
+    kept: list[str] = []
+    skipping = False
+    for line in lines:
+        header = _THREAD_HEADER.match(line)
+        if header:
+            skipping = crashed and header.group(1) == "Thread"
+        elif skipping and not (line.startswith("  ") or not line.strip()):
+            skipping = False  # the first line that is no frame (nor the blank line after a stack) ends the block
+        if skipping or (crashed and line.startswith("Extension modules:")):
+            continue
+        kept.append(line)
+    while kept and not kept[-1].strip():
+        kept.pop()
+    return kept
+
+
 def failure_cause(lines: Sequence[str]) -> str | None:
     """The line of a failed child's output that best says why: its last exception, else a C++ abort's message,
     else faulthandler's ``Fatal Python error`` line."""
@@ -254,8 +283,9 @@ class ChildRun:
         return f"{self.script} {how}{where} after {self.wall_s:.0f} s" + (f" — {cause}" if cause else "")
 
     def tail(self, n: int = 12) -> str:
-        """Its last ``n`` lines of output, indented."""
-        return "\n".join(f"    {line}" for line in self.lines[-n:])
+        """Its last ``n`` lines of output, indented, with faulthandler's crash report cut to what says where: the
+        crashing thread's stack (:func:`crash_report_lines`)."""
+        return "\n".join(f"    {line}" for line in crash_report_lines(self.lines)[-n:])
 
 
 def run_script(script: str | Path, args: Sequence[object] = (), *, timeout_s: float,

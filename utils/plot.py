@@ -64,6 +64,11 @@ def format_value(value: float) -> str:
     return f"{value:.2g}"
 
 
+def _tick(value: float) -> str:
+    """A value-axis tick: '15,000', '2.5', '0'."""
+    return f"{value:,.0f}" if abs(value) >= 100 or value == int(value) else f"{value:g}"
+
+
 def _pyplot():
     import matplotlib.pyplot as plt
 
@@ -87,12 +92,16 @@ def bar(
 
     ``highlight`` lists bars drawn in a second colour (e.g. "measured here" among datasheet values).
     ``value_range`` zooms the value axis (e.g. accuracies between 90 and 96%, so that differences and their error
-    bars are visible); the title should say the axis does not start at zero. Returns the Figure.
+    bars are visible); the title should say the axis does not start at zero. Horizontal bars (long labels) get at
+    most five value ticks with thousands separators, and the reference line's legend below the axes, so that the
+    labels leave the axes their width. Returns the Figure.
     """
     if len(labels) != len(values) or (errors is not None and len(errors) != len(values)):
         raise ValueError("bar(): labels, values (and errors) must have the same length")
     plt = _pyplot()
-    size = (7.5, 0.5 * len(labels) + 1.8) if horizontal else (max(5.0, 1.1 * len(labels) + 2), 4.0)
+    from matplotlib.ticker import FuncFormatter, MaxNLocator
+
+    size = (8.0, 0.5 * len(labels) + 2.2) if horizontal else (max(5.0, 1.1 * len(labels) + 2), 4.0)
     fig, ax = plt.subplots(figsize=size)
     positions = range(len(labels))
     draw = ax.barh if horizontal else ax.bar
@@ -105,6 +114,8 @@ def bar(
         ax.invert_yaxis()
         ax.set_xlabel(ylabel)
         ax.margins(x=0.15)
+        ax.xaxis.set_major_locator(MaxNLocator(4))
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: _tick(v)))
     else:
         ax.set_xticks(list(positions), labels, rotation=20 if max(map(len, labels)) > 10 else 0, ha="right"
                       if max(map(len, labels)) > 10 else "center")
@@ -113,12 +124,16 @@ def bar(
     if reference is not None:
         (ax.axvline if horizontal else ax.axhline)(reference, color="#C44E52", linestyle="--", linewidth=1.2,
                                                    label=reference_label or f"reference {reference:.3g}")
-        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9, frameon=False)  # outside: no overlap
+        if horizontal:  # at the foot of the figure, under the value axis: the long bar labels take the left
+            fig.legend(*ax.get_legend_handles_labels(), loc="lower center", fontsize=9, frameon=False)
+        else:
+            ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9, frameon=False)  # outside: no overlap
     if value_range is not None:
         (ax.set_xlim if horizontal else ax.set_ylim)(*value_range)
     ax.set_title(title)
     ax.grid(axis="x" if horizontal else "y", alpha=0.3)
-    fig.tight_layout()
+    legend_below = horizontal and reference is not None
+    fig.tight_layout(rect=(0, 0.3 / size[1], 1, 1) if legend_below else None)  # 0.3 inch for the figure's legend
     plt.close(fig)
     return fig
 

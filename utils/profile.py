@@ -85,11 +85,18 @@ class StepProfile:
     trace_path: Path | None = None
     profiled_wall_s: float = 0.0  # one step as measured under the profiler (which adds overhead of its own)
     unit: str = "step"  # what one call of the profiled function is: "step", "epoch", ...
+    operator_calls: Counter = field(default_factory=Counter)  # every operator call by name, nested ones included
     _busy_s: float | None = field(default=None, repr=False)
 
     @property
     def kernels_per_step(self) -> float:
         return len(self.kernels) / self.steps
+
+    def calls_per_step(self, operator: str) -> float:
+        """Calls per step of an operator by name (``"aten::_to_copy"``: casts and copies to another dtype or device),
+        counting calls nested inside other operators too — on a CPU as on a GPU, where :attr:`kernels` shows only
+        what the device ran."""
+        return self.operator_calls[operator] / self.steps
 
     @property
     def busy_s(self) -> float:
@@ -374,6 +381,8 @@ def profile_steps(
                 synchronize(device)
                 profiled_wall_s = (time.perf_counter() - start) / steps
             kernels = gpu_kernels(prof) if on_gpu else cpu_operators(prof)
+            operator_calls = Counter(e.name for e in prof.events() if e.device_type == DeviceType.CPU
+                                     and not getattr(e, "is_user_annotation", False))
     finally:
         os.dup2(saved_fd, 2)
         os.close(saved_fd)
@@ -385,7 +394,7 @@ def profile_steps(
         prof.export_chrome_trace(str(saved))
     result = StepProfile(device=str(device), steps=steps, wall_s=step_s if step_s is not None else profiled_wall_s,
                          kernels=kernels, on_gpu=on_gpu, trace_path=saved, profiled_wall_s=profiled_wall_s,
-                         unit=unit)
+                         unit=unit, operator_calls=operator_calls)
     # the device cannot be busier than the step is long: more would mean work counted twice
     if on_gpu and result.busy_s > 1.05 * max(result.wall_s, profiled_wall_s):
         raise AssertionError(f"GPU busy {result.busy_s * 1e3:.3f} ms per {unit} exceeds the {unit} "
