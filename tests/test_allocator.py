@@ -59,6 +59,37 @@ def test_allocator_probe_runs_its_child_with_one_setting(monkeypatch):
         allocator.allocator_probe(None)
 
 
+def _rows(start_cached, freed_reserved, big_reserved, *, big=288 * MiB):
+    """fragmentation_demo's five rows, above the start, with the absolute free memory in the cache."""
+    return [{"stage": "start", "allocated": 0, "reserved": 0, "cached": start_cached},
+            {"stage": "10 tensors of 48 MiB", "allocated": 480 * MiB, "reserved": 480 * MiB, "cached": start_cached},
+            {"stage": "all of them freed", "allocated": 0, "reserved": freed_reserved,
+             "cached": start_cached + freed_reserved},
+            {"stage": "one tensor of 288 MiB", "allocated": big, "reserved": big_reserved,
+             "cached": start_cached + big_reserved - big},
+            {"stage": "empty_cache()", "allocated": big, "reserved": big, "cached": start_cached}]
+
+
+def test_fragmentation_verdict_follows_the_numbers():
+    # The default allocator in a clean process: a new 288 MiB segment beside 480 MiB of cached, free segments.
+    said = allocator.fragmentation_verdict(_rows(0, 480 * MiB, 768 * MiB))
+    assert "288.00 MiB of new segments although 480.00 MiB were cached and free: fragmentation" in said
+    assert said.endswith("left 288.00 MiB reserved above the start.")
+    # Expandable segments: the freed space is contiguous, no new segment.
+    said = allocator.fragmentation_verdict(_rows(0, 480 * MiB, 480 * MiB), expandable=True)
+    assert "without a new segment: with expandable segments" in said and "fragmentation:" not in said
+    # A process whose live tensors pin segments with free space in them: the cache serves everything, and the
+    # verdict says so instead of claiming fragmentation (the H200 run of notebook 05 with its leaked tensors).
+    said = allocator.fragmentation_verdict(_rows(1500 * MiB, 0, 0), expandable=False)
+    assert "without a new segment" in said and "1.46 GiB free at its start" in said
+    assert "no fragmentation to see" in said
+    # Too little cached to serve it: a new segment, but not fragmentation.
+    said = allocator.fragmentation_verdict(_rows(0, 100 * MiB, 388 * MiB))
+    assert "less than the 288.00 MiB asked for" in said and "not fragmentation" in said
+    with pytest.raises(ValueError, match="five rows"):
+        allocator.fragmentation_verdict(_rows(0, 0, 0)[:4])
+
+
 # --- on a real GPU --------------------------------------------------------------------------------
 
 
@@ -73,6 +104,10 @@ def test_cuda_fragmentation_demo_and_the_allocator_probe():
     if not memory_snapshot.expandable_segments_enabled(torch.cuda.memory._snapshot()):
         assert rows[3]["reserved"] >= 768 * MiB, "ten separate 48 MiB segments cannot hold one 288 MiB tensor"
     assert rows[4]["reserved"] < rows[3]["reserved"]
+    assert all(r["cached"] >= 0 for r in rows) and rows[2]["cached"] >= 480 * MiB
+    said = allocator.fragmentation_verdict(rows, expandable=memory_snapshot.expandable_segments_enabled(
+        torch.cuda.memory._snapshot()))
+    assert "fragmentation:" in said or "expandable" in said, said
     default = allocator.allocator_probe(None)
     assert default.expandable_segments is False
     assert default.reserved_after("one tensor") >= 768 * MiB

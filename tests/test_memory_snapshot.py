@@ -186,6 +186,19 @@ def test_peak_breakdown_attributes_the_peak():
     assert memory_snapshot.peak_breakdown({"device_traces": [[]]}).peak_bytes == 0
 
 
+def test_peak_breakdown_rows_leave_out_negligible_sources():
+    sources = [("forward · a", 60_000, 3), ("backward · b", 19_990, 2), ("backward · c", 10, 1)]
+    breakdown = memory_snapshot.PeakBreakdown(100_000, 7, 20_000, sources)
+    assert breakdown.negligible(0.001) == [("backward · c", 10, 1)]  # 10 B of 100,000 is under 0.1%
+    rows = breakdown.rows(top=8, min_share=0.001)
+    assert [r["allocated by"] for r in rows] == ["forward · a", "backward · b",
+                                                 "before recording (weights, optimizer state, ...)"]
+    rows = breakdown.rows(top=1, min_share=0.001)  # the negligible one is not in "other places" either
+    assert rows[1] == {"allocated by": "1 other places", "tensors": 2, "bytes at the peak": "19.52 KiB",
+                       "share": "20%"}
+    assert len(breakdown.rows(top=8)) == 4 and breakdown.negligible(0.0) == []
+
+
 def test_segment_summary_and_expandable_segments_flag():
     summary = memory_snapshot.segment_summary(_snapshot_with_frames())
     assert summary == {"segments": 1, "reserved": 2 * MiB, "allocated": 6700, "cached": 2 * MiB - 6700,

@@ -15,13 +15,16 @@ from pathlib import Path
 import torch
 
 from utils.env import get_device
+from utils.memory import format_bytes
 from utils.memory_snapshot import expandable_segments_enabled
 
 #: The environment variables that configure PyTorch's CUDA caching allocator, and which releases read them
-#: (from PyTorch's source and issue tracker; the notebook measures what the installed version does).
+#: (from PyTorch's source and issue tracker; the notebook measures what the installed version does, and whether
+#: it prints a warning about the variable: :attr:`ProbeResult.warnings`).
 ALLOC_CONF_VARS = {
     "PYTORCH_CUDA_ALLOC_CONF": "the original name, read by every release that has these options; from 2.9 on "
-                               "a deprecated alias of PYTORCH_ALLOC_CONF that still works and warns once",
+                               "also an alias of PYTORCH_ALLOC_CONF, which some releases flag with a deprecation "
+                               "warning",
     "PYTORCH_ALLOC_CONF": "the device-generic name, read from 2.9 on; in 2.9 its "
                           "expandable_segments option did not reach the CUDA allocator, without a warning "
                           "(pytorch/pytorch#183387, reported on 2.9.1; honoured by 2.11)",
@@ -33,14 +36,18 @@ MiB = 2**20
 def fragmentation_demo(device: torch.device | str, *, tensors: int = 10, tensor_mib: int = 48,
                        big_mib: int = 288) -> list[dict[str, object]]:
     """Allocate ``tensors`` × ``tensor_mib`` MiB, free them all, then ask for one ``big_mib`` MiB tensor, then
-    ``empty_cache()``; returns one row per stage with the allocated and reserved bytes above those at the start
-    (CUDA only).
+    ``empty_cache()``; returns one row per stage with the allocated and reserved bytes above those at the start,
+    and ``cached``: the free memory the allocator holds at that stage, all reserved minus all allocated (never
+    negative, unlike the difference of the two columns above the start). CUDA only.
 
     With the default allocator each tensor of 10 MiB or more gets a segment (one cudaMalloc) of its own; freed
     segments stay cached, but free memory in different segments cannot be joined, so the big request needs a new
     segment though enough memory is cached: reserved grows past what is allocated (fragmentation) until
     ``empty_cache()`` returns the unused segments. With ``expandable_segments:True`` the tensors share one
-    segment that grows; the freed space is contiguous and serves the big request.
+    segment that grows; the freed space is contiguous and serves the big request. If the cache already holds a
+    free block of ``big_mib`` MiB or more at the start (in segments that live tensors of earlier work keep
+    reserved, which ``empty_cache()`` cannot return), the big tensor comes from there and nothing shows:
+    :func:`fragmentation_verdict` reads the rows and says which of these happened.
     """
     dev = get_device(device)
     if dev.type != "cuda":
@@ -49,8 +56,8 @@ def fragmentation_demo(device: torch.device | str, *, tensors: int = 10, tensor_
 
     def stage(what: str) -> None:
         torch.cuda.synchronize(dev)
-        rows.append({"stage": what, "allocated": torch.cuda.memory_allocated(dev),
-                     "reserved": torch.cuda.memory_reserved(dev)})
+        allocated, reserved = torch.cuda.memory_allocated(dev), torch.cuda.memory_reserved(dev)
+        rows.append({"stage": what, "allocated": allocated, "reserved": reserved, "cached": reserved - allocated})
 
     torch.cuda.synchronize(dev)
     torch.cuda.empty_cache()
@@ -70,6 +77,37 @@ def fragmentation_demo(device: torch.device | str, *, tensors: int = 10, tensor_
         row["allocated"] = int(row["allocated"]) - base_allocated  # type: ignore[call-overload]
         row["reserved"] = int(row["reserved"]) - base_reserved  # type: ignore[call-overload]
     return rows
+
+
+def fragmentation_verdict(rows: list[dict[str, object]], *, expandable: bool | None = None) -> str:
+    """What the rows of :func:`fragmentation_demo` show, decided from their numbers: a sentence.
+
+    Fragmentation only if the big tensor needed new segments (reserved grew) although the cache held at least as
+    much free memory as it asked for; a new segment with too little cached is no fragmentation; no new segment
+    means the cache served it — contiguous freed space with expandable segments (``expandable``: whether the
+    allocator uses them), else a free block left by earlier work.
+
+    Raises:
+        ValueError: if ``rows`` are not the five stages of :func:`fragmentation_demo`.
+    """
+    if len(rows) != 5 or not all({"allocated", "reserved", "cached"} <= set(r) for r in rows):
+        raise ValueError("fragmentation_verdict() needs the five rows of fragmentation_demo(), each with "
+                         "'allocated', 'reserved' and 'cached'")
+    numbers = [{k: int(v) for k, v in row.items() if k != "stage"} for row in rows]  # type: ignore[call-overload]
+    start, freed, big, emptied = (numbers[i] for i in (0, 2, 3, 4))
+    need, cached, grew = big["allocated"], freed["cached"], big["reserved"] - freed["reserved"]
+    if grew > 0 and cached >= need:
+        said = (f"the {format_bytes(need)} tensor needed {format_bytes(grew)} of new segments although "
+                f"{format_bytes(cached)} were cached and free: fragmentation — no free piece could hold it")
+    elif grew > 0:
+        said = (f"the cache held {format_bytes(cached)} free, less than the {format_bytes(need)} asked for, so a "
+                f"new segment of {format_bytes(grew)} was needed: that is not fragmentation")
+    else:
+        said = f"the cache served the {format_bytes(need)} tensor without a new segment: " + (
+            "with expandable segments the freed space is contiguous" if expandable else
+            f"a large enough free block was cached before the demo began ({format_bytes(start['cached'])} free at "
+            "its start, in segments that live tensors keep reserved), so there is no fragmentation to see")
+    return f"{said}. empty_cache() then left {format_bytes(emptied['reserved'])} reserved above the start."
 
 
 def _allocator_probe_main() -> None:  # pragma: no cover - runs in the child process on a GPU

@@ -236,12 +236,19 @@ class PeakBreakdown:
     before_recording_bytes: int  # live at the peak but allocated before recording started (no stack known)
     by_source: list[tuple[str, int, int]]  # (source label, bytes, tensors)
 
-    def rows(self, top: int = 8) -> list[dict[str, object]]:
-        """Table rows: the ``top`` sources, the rest summed, and what was there before recording."""
+    def negligible(self, min_share: float) -> list[tuple[str, int, int]]:
+        """The sources that hold less than ``min_share`` of the peak (e.g. 0.001: under 0.1%), largest first."""
+        return [source for source in self.by_source if source[1] < min_share * self.peak_bytes]
+
+    def rows(self, top: int = 8, *, min_share: float = 0.0) -> list[dict[str, object]]:
+        """Table rows: the ``top`` sources, the rest summed, and what was there before recording. Sources under
+        ``min_share`` of the peak (:meth:`negligible`) are left out of both: say how many, next to the table."""
+        small = self.negligible(min_share)
+        kept = [source for source in self.by_source if source not in small]
         rows = [{"allocated by": label, "tensors": count, "bytes at the peak": format_bytes(nbytes),
                  "share": f"{nbytes / self.peak_bytes:.0%}" if self.peak_bytes else "—"}
-                for label, nbytes, count in self.by_source[:top]]
-        rest = self.by_source[top:]
+                for label, nbytes, count in kept[:top]]
+        rest = kept[top:]
         if rest:
             nbytes = sum(b for _, b, _ in rest)
             rows.append({"allocated by": f"{len(rest)} other places", "tensors": sum(c for *_, c in rest),
