@@ -59,3 +59,22 @@ def test_cold_compiles_warm_reuses_and_a_new_cold_block_compiles_again():
     with compile_cache.cold() as again:
         torch.compile(fn)(x)
         assert again.counts() == compile_cache.GraphCounts(1, 0), "a new cold block must not reuse the graph"
+
+
+def test_quiesce_shuts_the_compile_workers_down_and_compiled_code_keeps_working():
+    import torch._inductor.async_compile as async_compile
+
+    def fn(x):
+        return torch.cos(x) * 3 - 1
+
+    x = torch.randn(16)
+    with compile_cache.cold() as cache:
+        compiled = torch.compile(fn)
+        compiled(x)
+    before = compile_cache.graph_counts()
+    compile_cache.quiesce()
+    assert not async_compile._pool_set, "every compile-worker pool shut down"
+    torch.testing.assert_close(compiled(x), fn(x))
+    assert compile_cache.graph_counts() == before, "the compiled function ran without compiling again"
+    assert cache.counts().compiled >= 1
+    compile_cache.quiesce()  # twice in a row: nothing left to shut down, no error

@@ -1,6 +1,7 @@
 """utils.playbook: the tips, the diagnosis of a profiled step, findings and their verdicts, idle gaps, rounding."""
 
 import re
+import warnings
 
 import matplotlib.figure
 import pytest
@@ -245,6 +246,77 @@ def test_kernels_belong_to_the_range_they_were_launched_in():
     assert totals["forward"] == playbook.RangeTotal("forward", 2, 200.0, 2, 38.0)
     assert totals["backward"] == playbook.RangeTotal("backward", 1, 10.0, 2, 60.0)
     assert playbook.range_totals([], ranges)["backward"].kernels == 0
+
+
+def test_kernels_outside_every_range_are_counted_from_the_kernels_not_by_subtraction():
+    ranges = [("forward", 0.0, 100.0), ("backward", 100.0, 200.0), ("backward.inner", 120.0, 150.0)]
+    inside = [profile.Kernel("fwd", 10.0, 0.1 + 0.2, "aten::mm", 10.0),  # durations whose sums leave a float residue
+              profile.Kernel("bwd", 130.0, 0.3, "aten::mm", 130.0)]
+    # every kernel inside a range: no row, where all-minus-the-ranges'-totals leaves a residue and, with the nested
+    # range, counts the inner kernel twice
+    assert playbook.outside_ranges(inside, ranges) is None
+    totals = playbook.range_totals(inside, ranges)
+    assert sum(k.duration_us for k in inside) - sum(t.device_us for t in totals.values()) != 0
+    late = profile.Kernel("sync", 260.0, 2.0, "aten::copy_", 250.0)  # launched after the last range ended
+    assert playbook.outside_ranges([*inside, late], ranges) == playbook.RangeTotal("(outside these ranges)", 0, 0.0,
+                                                                                     1, 2.0)
+    tiny = profile.Kernel("blip", 300.0, 1e-9, "", 300.0)  # outside, but a negligible share of the kernels' time
+    assert playbook.outside_ranges([*inside, tiny], ranges) is None
+    assert playbook.outside_ranges([], ranges) is None
+    assert playbook.outside_ranges([late], []).kernels == 1  # no ranges at all: everything is outside
+
+
+def test_retimed_flags_the_same_work_timed_slower_the_second_time():
+    disturbed, text = playbook.retimed(timing("eager", 2.0e-3), timing("eager", 2.02e-3))
+    assert not disturbed and "2 ms" in text and "2.02 ms" in text and "the same within the noise" in text
+    disturbed, text = playbook.retimed(timing("eager", 2.0e-3), timing("eager", 2.6e-3))
+    assert disturbed and "1.30× slower the second time" in text and "disturbed" in text
+    disturbed, text = playbook.retimed(timing("eager", 2.6e-3), timing("eager", 2.0e-3))
+    assert disturbed and "1.30× faster the second time" in text and "during the first" in text
+    with pytest.raises(TypeError, match="Timing"):
+        playbook.retimed(2.0e-3, timing("eager", 2.0e-3))
+
+
+MISMATCH = "The AccumulateGrad node's stream does not match the stream of the node that produced the incoming gradient"
+
+
+def test_accumulate_grad_stream_warning_is_switched_off_for_the_block_only(monkeypatch):
+    settings = []
+    monkeypatch.setattr(torch.autograd.graph, "set_warn_on_accumulate_grad_stream_mismatch", settings.append,
+                        raising=False)
+    with playbook.no_accumulate_grad_stream_warning():
+        assert settings == [False]
+    assert settings == [False, True]
+    with pytest.raises(RuntimeError), playbook.no_accumulate_grad_stream_warning():
+        raise RuntimeError("a failing step")
+    assert settings[-1] is True, "switched back on after an error too"
+
+
+def test_accumulate_grad_stream_warning_filtered_where_torch_has_no_switch(monkeypatch):
+    monkeypatch.delattr(torch.autograd.graph, "set_warn_on_accumulate_grad_stream_mismatch", raising=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with playbook.no_accumulate_grad_stream_warning():
+            warnings.warn(MISMATCH, UserWarning, stacklevel=1)
+            warnings.warn("another warning", UserWarning, stacklevel=1)
+        warnings.warn(MISMATCH, UserWarning, stacklevel=1)
+    assert [str(w.message)[:20] for w in caught] == ["another warning", MISMATCH[:20]]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_no_stream_mismatch_warning_from_repeated_backwards_through_graphed_callables():
+    """The notebook's case: make_graphed_callables keeps AccumulateGrad nodes on its capture stream; eager backwards
+    through the graphed module, inside the block, must not warn (outside it PyTorch >= 2.10 does)."""
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10)).cuda()
+    x = torch.randn(16, 32, device="cuda")
+    graphed = torch.cuda.make_graphed_callables(model, (x,))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with playbook.no_accumulate_grad_stream_warning():
+            for _ in range(4):
+                graphed(x).sum().backward()
+        torch.cuda.synchronize()
+    assert not [w for w in caught if "AccumulateGrad" in str(w.message)], [str(w.message)[:80] for w in caught]
 
 
 def test_a_gap_belongs_to_the_range_that_launched_the_kernel_it_waited_for():

@@ -14,6 +14,7 @@ pays. :func:`cold` gives a block in which every compile starts from nothing::
     with utils.compile_cache.cold() as cache:
         seconds, _ = utils.bench.first_call(lambda: compiled(x))
         print(cache.status())   # "2 compiled, 0 from cache"
+    utils.compile_cache.quiesce()   # compile workers shut down, garbage collected: then time
 
 :func:`graph_counts` reads the FX graph cache's counters at any time, to tell a compile that compiled from one
 that loaded a cached graph.
@@ -73,6 +74,21 @@ def clear_in_memory_caches(*, dynamo: bool = True) -> None:
     clear = getattr(inductor_utils, "clear_caches", None) or getattr(inductor_utils, "clear_inductor_caches", None)
     if clear is not None:
         clear()
+
+
+def quiesce() -> None:
+    """Leave the host quiet after compiling, before timing anything: shut down Inductor's compile-worker pools
+    (``torch._inductor.async_compile.shutdown_compile_workers``, where this PyTorch has it; a later compile starts
+    new ones) and collect the garbage a compile leaves behind. Functions compiled before keep working: their code
+    is loaded, and the workers only compile."""
+    import gc
+
+    import torch._inductor.async_compile as async_compile
+
+    shutdown = getattr(async_compile, "shutdown_compile_workers", None)
+    if shutdown is not None:
+        shutdown()
+    gc.collect()
 
 
 @dataclass

@@ -7,6 +7,7 @@ a promise held where it was measured; and the profiler reading that says which t
     print(utils.playbook.diagnose(profile))               # "launch-bound: ... → try CUDA graphs (...)"
     print(utils.playbook.profile_change(nchw, nhwc, kind="conv"))  # what changed between two variants' profiles
     timings = utils.playbook.interleaved({"A": step_a, "B": step_b})  # A and B timed in alternating rounds
+    disturbed, line = utils.playbook.retimed(before, after)  # the same work timed twice: did the host change?
 
 :func:`diagnose` reads a :class:`utils.profile.StepProfile`: a step whose GPU waits for the host at least half the
 time is *launch-bound* and gains from fewer launches (CUDA graphs, fused optimizers, compile), and so is, partly, a
@@ -25,13 +26,14 @@ import math
 import os
 import re
 import statistics
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
-from utils.bench import Comparison, Timing, bench, format_seconds
+from utils.bench import Comparison, Timing, bench, compare, format_seconds
 from utils.profile import Kernel, StepProfile, kind_of
 
 
@@ -66,8 +68,8 @@ TIPS: dict[str, Tip] = {t.key: t for t in (
         "launch", "torch.cuda.graph / make_graphed_callables / utils.train.GraphedStep", False),
     Tip("fused_optimizer", "fused optimizer", "(beyond the guide) fewer optimizer kernels: a faster update", None,
         "launch", "torch.optim.AdamW(params, fused=True)", True),
-    Tip("sdpa", "fused attention (SDPA)", "(beyond the guide) flash / memory-efficient attention faster than math",
-        None, "attention", "F.scaled_dot_product_attention(q, k, v, is_causal=True)", True),
+    Tip("sdpa", "fused attention (SDPA)", "(beyond the guide) fused attention backends faster than math", None,
+        "attention", "F.scaled_dot_product_attention(q, k, v, is_causal=True)", True),
     Tip("determinism", "deterministic algorithms", "(beyond the guide) bit-identical runs, at a cost in speed", None,
         "", "torch.use_deterministic_algorithms(True)", True),
 )}
@@ -274,6 +276,28 @@ def interleaved(variants: Mapping[str, Callable[[], object]], *, rounds: int = 4
         out[name] = Timing(label=name, median_s=statistics.median(times), iqr_s=q3 - q1, block_times_s=tuple(times),
                            calls_per_block=min(calls[name]), device=devices[name])
     return out
+
+
+def retimed(before: Timing, after: Timing) -> tuple[bool, str]:
+    """A guard for timings taken after something that may leave the host busy (a compile's worker processes, a heap
+    full of its objects): the same work timed ``before`` it and again ``after`` it. Returns ``(disturbed, text)``:
+    ``disturbed`` when the two differ beyond the noise (:func:`utils.bench.compare`'s rule: the middle halves of
+    their blocks apart and the medians at least ``MIN_EFFECT`` apart); ``text`` gives both medians with their IQRs
+    and, when disturbed, a warning: slower the second time, what was timed beside ``after`` ran on a disturbed
+    host; faster, the first ran on one.
+
+    Raises:
+        TypeError: if either is not a Timing.
+    """
+    c = compare(before, after)
+    text = (f"{format_seconds(before.median_s)} ± {format_seconds(before.iqr_s)} before, "
+            f"{format_seconds(after.median_s)} ± {format_seconds(after.iqr_s)} after")
+    if c.outcome == "same":
+        return False, text + ": the same within the noise"
+    if c.outcome == "slower":
+        return True, (text + f": ⚠ {_ratio(1 / c.speedup)} slower the second time — the host was disturbed, and "
+                             "what was timed beside the second shares the disturbance")
+    return True, text + f": ⚠ {_ratio(c.speedup)} faster the second time — the host was disturbed during the first"
 
 
 # ── Whether a promise held: findings, their table and their chart ──────────────────────────────────────────────
@@ -496,6 +520,22 @@ def range_totals(kernels: Sequence[Kernel], ranges: Sequence[tuple[str, float, f
     return out
 
 
+def outside_ranges(kernels: Sequence[Kernel], ranges: Sequence[tuple[str, float, float]], *,
+                   negligible: float = 1e-6) -> RangeTotal | None:
+    """The kernels launched inside none of ``ranges`` (as :func:`range_totals` attributes them), as a RangeTotal
+    named "(outside these ranges)" with no calls and no host span; None when there are none, or when their device
+    time is under ``negligible`` of all the kernels' time — a row for them would only show rounding.
+
+    Counted from the kernels themselves, not as all the kernels minus the ranges' totals: that difference leaves a
+    float residue (1e-9 ns) where nothing is outside, and counts nested ranges' kernels twice.
+    """
+    outside = [k for k in kernels if not any(s <= _launched(k) < e for _, s, e in ranges)]
+    device_us = sum(k.duration_us for k in outside)
+    if not outside or device_us < negligible * sum(k.duration_us for k in kernels):
+        return None
+    return RangeTotal("(outside these ranges)", 0, 0.0, len(outside), device_us)
+
+
 def idle_gaps(kernels: Sequence[Kernel], *, ranges: Sequence[tuple[str, float, float]] = (), top: int = 5,
               min_us: float = 0.0) -> list[Gap]:
     """The ``top`` longest gaps between consecutive kernels (kernels on two streams that overlap leave no gap),
@@ -532,6 +572,29 @@ def quiet_stderr() -> Iterator[None]:
         os.dup2(saved, 2)
         os.close(saved)
         os.close(devnull)
+
+
+@contextlib.contextmanager
+def no_accumulate_grad_stream_warning() -> Iterator[None]:
+    """Keep autograd's "The AccumulateGrad node's stream does not match ..." warning off for the block.
+
+    ``torch.cuda.make_graphed_callables`` keeps its capture's autograd graph alive, with each parameter's
+    ``AccumulateGrad`` node on the side stream it captured on; every later eager backward through the graphed module
+    then accumulates on that stream, and PyTorch 2.10 and later warn about it (the gradients are right). Uses
+    ``torch.autograd.graph.set_warn_on_accumulate_grad_stream_mismatch`` where it exists (the switch is
+    process-wide and has no getter: it is set back to PyTorch's default, on), else a filter on that one message.
+    """
+    switch = getattr(torch.autograd.graph, "set_warn_on_accumulate_grad_stream_mismatch", None)
+    if switch is None:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The AccumulateGrad node's stream does not match")
+            yield
+        return
+    switch(False)
+    try:
+        yield
+    finally:
+        switch(True)
 
 
 # ── Numbers: relative error, and formats emulated by rounding ──────────────────────────────────────────────────
