@@ -216,3 +216,19 @@ def test_gpu_kernels_carry_the_operator_that_launched_them_and_when():
               if getattr(e, "is_user_annotation", False) and e.device_type == torch.autograd.DeviceType.CPU]
     (_, start, end), = [r for r in ranges if r[0] == "backward"]
     assert all(start <= k.launched_us < end for k in linked)  # every kernel of this step, from either thread
+
+
+def test_host_syncs_refuses_a_cpu_and_a_non_callable():
+    with pytest.raises(ValueError, match="CUDA"):
+        profile.host_syncs(lambda: None, device="cpu")
+    with pytest.raises(TypeError, match="callable"):
+        profile.host_syncs(42, device="cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_host_syncs_counts_waits_for_the_gpu_and_restores_the_mode():
+    a = torch.randn(256, 256, device="cuda", requires_grad=True)
+    assert profile.host_syncs(lambda: (a @ a).relu_(), device="cuda") == 0
+    assert profile.host_syncs(lambda: [(a @ a).sum().item() for _ in range(3)], device="cuda") == 3
+    assert profile.host_syncs(lambda: (a @ a).sum().backward(), device="cuda") == 0
+    assert torch.cuda.get_sync_debug_mode() == 0

@@ -333,6 +333,38 @@ def cpu_operators(prof: profile) -> list[Kernel]:
     return sorted(found, key=lambda k: k.start_us)
 
 
+def host_syncs(fn: Callable[[], object], *, device: torch.device | str | None = None) -> int:
+    """How many times one call of ``fn()`` makes the host wait for the GPU (``.item()``, a blocking copy to the
+    host, ``nonzero``, a stream synchronisation, ...), counted with ``torch.cuda.set_sync_debug_mode("warn")``.
+
+    Every such wait drains the GPU's queue, so the GPU idles until the host has launched new work; a step that
+    synchronises can leave the GPU idle however fast its kernels are. The debug mode is a prototype and does not
+    see every synchronisation (not those of ``torch.distributed``, for one): a count of 0 means none that PyTorch
+    reports. Warnings from autograd's threads are replayed in the calling thread, so ``backward()`` is covered.
+    The previous debug mode is restored.
+
+    Raises:
+        TypeError: if ``fn`` is not callable.
+        ValueError: for a device that is not a CUDA GPU (on a CPU nothing runs asynchronously to wait for).
+    """
+    if not callable(fn):
+        raise TypeError(f"host_syncs() needs a callable taking no arguments, got {type(fn).__name__}")
+    device = get_device(device)
+    if device.type != "cuda":
+        raise ValueError(f"host_syncs() counts waits for a CUDA GPU; {device} runs each operation before it returns")
+    synchronize(device)
+    previous = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as caught:  # also the mode's own "prototype feature" notice
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+    synchronize(device)
+    return sum("called a synchronizing" in str(w.message) for w in caught)
+
+
 def profile_steps(
     fn: Callable[[], object],
     *,
