@@ -185,3 +185,29 @@ def test_matmul_rate_kinds_on_cpu():
         assert "CPU" in str(rate.conditions)
     with pytest.raises(ValueError, match="kind"):
         bench.matmul_rate(torch.float32, "cpu", n=64, kind="peak")
+
+
+def test_retimed_says_the_same_within_the_noise():
+    before = timing("bf16", [1.00, 1.05, 0.95, 1.02, 0.98])
+    again = timing("bf16", [1.01, 1.04, 0.96, 1.03, 0.99])
+    changed, text = bench.retimed(before, again, then="in section 5", now="here")
+    assert not changed and "⚠" not in text
+    assert text.startswith("bf16: 1.01 s (IQR") and "here, 1 s (IQR" in text and "in section 5" in text
+    assert text.endswith("the same within the noise")
+
+
+def test_retimed_warns_when_the_same_work_got_slower_or_faster():
+    before = timing("fp16 + GradScaler", [0.0156, 0.0157, 0.0155, 0.0156, 0.0158])
+    slower = timing("fp16 + GradScaler", [0.0203, 0.0204, 0.0202, 0.0203, 0.0205])  # 1.30× as long, tight spreads
+    changed, text = bench.retimed(before, slower, then="in section 5", now="here")
+    assert changed and "⚠ 1.30× slower here" in text and "not with what was timed in section 5" in text
+    changed, text = bench.retimed(slower, before)
+    assert changed and "⚠ 1.30× faster now" in text
+
+
+def test_retimed_ignores_a_small_shift_and_rejects_bad_input():
+    before = timing("a", [1.000, 1.001, 0.999, 1.000, 1.000])
+    shifted = timing("a", [1.020, 1.021, 1.019, 1.020, 1.020])  # disjoint but 2% apart: under MIN_EFFECT
+    assert bench.retimed(before, shifted)[0] is False
+    with pytest.raises(TypeError, match="two Timing"):
+        bench.retimed(before, 1.0)

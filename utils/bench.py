@@ -8,7 +8,8 @@ launch overhead and host work count, as they do in a real loop.
 
 ``compare(baseline, candidate)`` turns two timings into a verdict that respects their noise: "1.29× faster",
 "slower: it takes 1.18× as long", or "no difference beyond the noise". Notebooks print it instead of writing a
-verdict into prose.
+verdict into prose. ``retimed(reference, again)`` applies the same rule to one piece of work timed twice in a run:
+a guard that says when the conditions changed in between.
 
 ``first_call(fn)`` times one synchronised call instead, for the one-off costs that the warm-up keeps out of
 ``bench`` (a first call that compiles, builds or autotunes), to be reported next to the steady state.
@@ -324,6 +325,30 @@ def compare(baseline: Timing, candidate: Timing, *, min_effect: float = MIN_EFFE
     if baseline.median_s <= 0 or candidate.median_s <= 0:
         raise ValueError("compare() needs positive median times")
     return Comparison(baseline, candidate, min_effect)
+
+
+def retimed(reference: Timing, again: Timing, *, then: str = "before", now: str = "now") -> tuple[bool, str]:
+    """A guard for timings taken later in a run: the same work timed earlier (``reference``) and ``again`` now.
+
+    If the two differ beyond the noise, whatever changed in between (the clock under a power or thermal limit,
+    other processes on the host, a finished ``torch.profiler`` session that left its hooks attached) also weighs
+    on everything timed beside ``again``: those timings compare with each other, not with the earlier ones.
+
+    Returns ``(changed, text)``: ``changed`` by :func:`compare`'s rule (the middle halves of the two sets of blocks
+    apart *and* the medians at least :data:`MIN_EFFECT` apart); ``text`` gives both medians with their IQRs, named
+    by ``now`` and ``then`` (e.g. "here", "in section 5"), and, when changed, a ⚠ warning that says which way.
+
+    Raises:
+        TypeError: if either is not a :class:`Timing`.
+    """
+    c = compare(reference, again)
+    text = (f"{again.label}: {format_seconds(again.median_s)} (IQR {format_seconds(again.iqr_s)}) {now}, "
+            f"{format_seconds(reference.median_s)} (IQR {format_seconds(reference.iqr_s)}) {then}")
+    if c.outcome == "same":
+        return False, text + " — the same within the noise"
+    ratio, way = (1 / c.speedup, "slower") if c.outcome == "slower" else (c.speedup, "faster")
+    return True, (text + f" — ⚠ {_ratio(ratio)} {way} {now}, beyond the noise: the conditions changed in between, "
+                         f"so compare what was timed {now} with each other, not with what was timed {then}")
 
 
 # ── Peaks measured on this machine ─────────────────────────────────────────────────────────────────────────

@@ -348,6 +348,12 @@ def profile_steps(
             https://ui.perfetto.dev. None: no trace.
         unit: what one call is, for the tables and sentences ("step", "epoch", "forward pass", ...).
 
+    Time before you profile: when a ``torch.profiler`` session ends, Kineto leaves NVIDIA's CUPTI attached unless
+    the environment variable ``TEARDOWN_CUPTI=1`` is set, and host-bound code can run slower for the rest of the
+    process (pytorch/pytorch#144455). This helper does not set it: PyTorch turns the teardown off where it crashed
+    with CUDA graphs (before CUDA 12.6), and back-to-back sessions have raced with it (pytorch/kineto#1169, #1554).
+    So take the timings a notebook compares before its first profile, or time both sides of a comparison after it.
+
     Raises:
         TypeError: if ``fn`` is not callable.
         ValueError: for fewer than 1 step or a negative warmup.
