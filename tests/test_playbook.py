@@ -266,17 +266,6 @@ def test_kernels_outside_every_range_are_counted_from_the_kernels_not_by_subtrac
     assert playbook.outside_ranges([late], []).kernels == 1  # no ranges at all: everything is outside
 
 
-def test_retimed_flags_the_same_work_timed_slower_the_second_time():
-    disturbed, text = playbook.retimed(timing("eager", 2.0e-3), timing("eager", 2.02e-3))
-    assert not disturbed and "2 ms" in text and "2.02 ms" in text and "the same within the noise" in text
-    disturbed, text = playbook.retimed(timing("eager", 2.0e-3), timing("eager", 2.6e-3))
-    assert disturbed and "1.30× slower the second time" in text and "disturbed" in text
-    disturbed, text = playbook.retimed(timing("eager", 2.6e-3), timing("eager", 2.0e-3))
-    assert disturbed and "1.30× faster the second time" in text and "during the first" in text
-    with pytest.raises(TypeError, match="Timing"):
-        playbook.retimed(2.0e-3, timing("eager", 2.0e-3))
-
-
 MISMATCH = "The AccumulateGrad node's stream does not match the stream of the node that produced the incoming gradient"
 
 

@@ -7,7 +7,6 @@ a promise held where it was measured; and the profiler reading that says which t
     print(utils.playbook.diagnose(profile))               # "launch-bound: ... → try CUDA graphs (...)"
     print(utils.playbook.profile_change(nchw, nhwc, kind="conv"))  # what changed between two variants' profiles
     timings = utils.playbook.interleaved({"A": step_a, "B": step_b})  # A and B timed in alternating rounds
-    disturbed, line = utils.playbook.retimed(before, after)  # the same work timed twice: did the host change?
 
 :func:`diagnose` reads a :class:`utils.profile.StepProfile`: a step whose GPU waits for the host at least half the
 time is *launch-bound* and gains from fewer launches (CUDA graphs, fused optimizers, compile), and so is, partly, a
@@ -33,7 +32,7 @@ from typing import Literal
 
 import torch
 
-from utils.bench import Comparison, Timing, bench, compare, format_seconds
+from utils.bench import Comparison, Timing, bench, format_seconds
 from utils.profile import Kernel, StepProfile, kind_of
 
 
@@ -276,28 +275,6 @@ def interleaved(variants: Mapping[str, Callable[[], object]], *, rounds: int = 4
         out[name] = Timing(label=name, median_s=statistics.median(times), iqr_s=q3 - q1, block_times_s=tuple(times),
                            calls_per_block=min(calls[name]), device=devices[name])
     return out
-
-
-def retimed(before: Timing, after: Timing) -> tuple[bool, str]:
-    """A guard for timings taken after something that may leave the host busy (a compile's worker processes, a heap
-    full of its objects): the same work timed ``before`` it and again ``after`` it. Returns ``(disturbed, text)``:
-    ``disturbed`` when the two differ beyond the noise (:func:`utils.bench.compare`'s rule: the middle halves of
-    their blocks apart and the medians at least ``MIN_EFFECT`` apart); ``text`` gives both medians with their IQRs
-    and, when disturbed, a warning: slower the second time, what was timed beside ``after`` ran on a disturbed
-    host; faster, the first ran on one.
-
-    Raises:
-        TypeError: if either is not a Timing.
-    """
-    c = compare(before, after)
-    text = (f"{format_seconds(before.median_s)} ± {format_seconds(before.iqr_s)} before, "
-            f"{format_seconds(after.median_s)} ± {format_seconds(after.iqr_s)} after")
-    if c.outcome == "same":
-        return False, text + ": the same within the noise"
-    if c.outcome == "slower":
-        return True, (text + f": ⚠ {_ratio(1 / c.speedup)} slower the second time — the host was disturbed, and "
-                             "what was timed beside the second shares the disturbance")
-    return True, text + f": ⚠ {_ratio(c.speedup)} faster the second time — the host was disturbed during the first"
 
 
 # ── Whether a promise held: findings, their table and their chart ──────────────────────────────────────────────
