@@ -105,6 +105,25 @@ def test_gpu_run_needs_a_python(tmp_path):
     assert result.returncode == 2 and "not found" in result.stderr
 
 
+def test_gpu_run_collects_only_the_notebooks_it_executed(tmp_path):
+    """The other copies in build/gpu-run carry the reference GPU's committed outputs: their figures must not be
+    filed under this GPU's name (a run of 04 alone once wrote the H200's figures of 00-02 into results/h100.json)."""
+    if shutil.which("git") is None or shutil.which("tar") is None or not (course.ROOT / ".git").exists():
+        pytest.skip("needs git, tar and a checkout")
+    calls = tmp_path / "calls.txt"
+    fake = tmp_path / "python"  # stands in for the GPU machine's Python: says CUDA is there, logs what it is asked
+    fake.write_text(f'#!/bin/sh\necho "$*" >> {calls}\nexit 0\n')
+    fake.chmod(0o755)
+    result = subprocess.run(["bash", str(course.ROOT / ".ci" / "gpu-run"), "notebooks/04_torch_compile.ipynb"],
+                            capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PYTHON": str(fake), "UNIT_TESTS": "0"})
+    assert result.returncode == 0, result.stderr
+    collect = [line for line in calls.read_text().splitlines() if "--collect-only" in line]
+    assert collect == ["-m tools.reference_run --collect-only --results-dir results notebooks/04_torch_compile.ipynb"]
+    pytest_call = [line for line in calls.read_text().splitlines() if line.startswith("-m pytest")]
+    assert pytest_call and pytest_call[0].endswith("--overwrite notebooks/04_torch_compile.ipynb")
+
+
 def test_readme_documents_both_runs_and_the_badge():
     readme = (course.ROOT / "README.md").read_text()
     assert f"{course.repo_url()}/actions/workflows/cpu.yml/badge.svg" in readme
