@@ -65,11 +65,12 @@ class Kernel:
 
 
 def kind_of(name: str) -> str:
-    """'matmul', 'attention' or 'other' for a kernel or operator name."""
-    if MATMUL.search(name):
-        return "matmul"
+    """'matmul', 'attention' or 'other' for a kernel or operator name. Attention first: the fused attention kernels'
+    full names carry their matmul library's (``pytorch_flash::flash_fwd_kernel<…cutlass::bfloat16_t…>``)."""
     if ATTENTION.search(name):
         return "attention"
+    if MATMUL.search(name):
+        return "matmul"
     return "other"
 
 
@@ -168,8 +169,9 @@ class StepProfile:
         top = self.top_kernels(1)
         top_name = next(iter(top[0].values())) if top else "none"
         if self.on_gpu:
-            return (f"GPU-bound: busy {1 - self.idle_fraction:.0%} of the {self.unit}; {largest} kernels take "
-                    f"{share:.0%} of that, the largest single kernel is {top_name}")
+            kind = "non-matmul, non-attention" if largest == "other" else largest
+            return (f"GPU-bound: busy {1 - self.idle_fraction:.0%} of the {self.unit}; {kind} kernels take "
+                    f"{share:.0%} of that; the kernel with the most time in total is {top_name}")
         return (f"on the CPU, operators take {1 - self.idle_fraction:.0%} of the {self.unit} (the rest is Python and "
                 f"dispatch between them); {largest} takes {share:.0%} of the operator time")
 
