@@ -1,7 +1,11 @@
 """utils.train.GraphedStep: a whole training step in a CUDA graph, equal to eager training."""
 
+import weakref
+
 import pytest
 import torch
+import torch.utils._python_dispatch
+import torch.utils._pytree
 from torch import nn
 
 from utils import data, models, train
@@ -89,6 +93,52 @@ def test_chunked_loss_keeps_no_full_logits_under_autocast():
     assert max(plain) == logits_bytes  # the fp32 log-probs of every token
     head_fp32_bytes = model.head.weight.numel() * 4  # the head's weight gradient, kept in fp32
     assert max(chunked) <= head_fp32_bytes < logits_bytes and sum(chunked) < sum(plain) / 2
+
+
+class _LiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
+    """The peak of the bytes held by tensors created inside the block (counted by storage, until freed)."""
+
+    def __init__(self):
+        super().__init__()
+        self.level = self.peak = 0
+        self.refs: dict[int, int] = {}
+        self.sizes: dict[int, int] = {}
+
+    def _drop(self, key):
+        self.refs[key] -= 1
+        if self.refs[key] == 0:
+            del self.refs[key]
+            self.level -= self.sizes.pop(key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr():
+                key = t.untyped_storage().data_ptr()
+                if key not in self.refs:
+                    self.refs[key], self.sizes[key] = 0, t.untyped_storage().nbytes()
+                    self.level += self.sizes[key]
+                self.refs[key] += 1
+                weakref.finalize(t, self._drop, key)
+        self.peak = max(self.peak, self.level)
+        return out
+
+
+@pytest.mark.parametrize("amp", [None, torch.bfloat16])
+def test_chunked_loss_holds_at_most_8_bytes_per_logit_of_one_chunk(amp):
+    """What utils.memory_calculator counts for the chunked loss: one chunk's logits at 8 bytes each (fp32 logits and
+    their log-softmax; a bf16 logit once cost 16: an fp32 copy for log_softmax, the last chunk's tensors still
+    named, and a second fp32 copy for the bias gradient), the head's weight in the compute dtype, and the gradients
+    it keeps for backward (features and head, fp32)."""
+    torch.manual_seed(0)
+    n, d, v, chunk = 256, 32, 4000, 64
+    head = nn.Linear(d, v)
+    features, targets = torch.randn(n, d, requires_grad=True), torch.randint(0, v, (n,))
+    with _LiveBytes() as live, torch.autocast("cpu", dtype=amp or torch.float32, enabled=amp is not None):
+        train.chunked_lm_loss(features, head, targets, chunk_tokens=chunk)
+    weight_copy = v * d * 2 if amp else 0
+    kept = n * d * 4 + (v * d + v) * 4
+    assert live.peak <= chunk * v * 8 + weight_copy + kept + 64 * 1024, (live.peak, chunk * v * 8)
 
 
 def test_chunked_loss_under_autocast_matches_the_plain_loss():

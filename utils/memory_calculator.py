@@ -136,7 +136,8 @@ def transformer_activations(
     The loss: the plain one keeps the fp32 log-probabilities, N·V·4 bytes (plus the 16-bit logits under CUDA
     autocast), and its backward briefly adds the fp32 gradients of log-probabilities and logits, N·V·8 (N·V·4
     under autocast); the chunked one (``utils.train.chunked_lm_loss``) keeps the gradients it computed in the
-    forward pass, of the features (N·D·4) and of the head (V·D·4), and holds one chunk's logits at a time.
+    forward pass, of the features (N·D·4) and of the head (V·D·4), and holds one chunk's logits at a time, 8 bytes
+    each whatever the precision (fp32 logits and their log-softmax; under autocast also the head's 16-bit weight).
 
     Raises:
         ValueError: for a checkpointing mode other than "none", "full" or "selective", or non-positive sizes.
@@ -167,7 +168,7 @@ def transformer_activations(
     if chunked_loss:
         saved["chunked loss: gradients of features and head"] = n * d * 4 + (v * d + v) * 4
         chunk = min(chunk_tokens, n)
-        transient["chunked loss: one chunk's logits"] = chunk * v * (2 * s + 4) + (v * d * s if amp else 0)
+        transient["chunked loss: one chunk's logits"] = chunk * v * 8 + (v * d * s if amp else 0)
     else:
         saved["head input"] = n * d * s
         saved["loss: log-probabilities"] = n * v * 4 + (n * v * s if amp and device_type == "cuda" else 0) + n * 8

@@ -38,17 +38,26 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_bias = torch.zeros_like(bias, dtype=torch.float32) if need_grad and bias is not None else None
         for start in range(0, n, chunk_tokens):
             x, t = features[start:start + chunk_tokens].to(compute_dtype), targets[start:start + chunk_tokens]
-            # one chunk's log-probabilities, in fp32 straight from the 16-bit logits (one kernel): [chunk, vocab]
-            log_probs = torch.log_softmax(F.linear(x, w, b), dim=-1, dtype=torch.float32)
+            # One chunk's log-probabilities in fp32: [chunk, vocab]. At most 8 bytes per logit are alive at once
+            # (the fp32 logits and their log-softmax); each name is dropped as soon as it is used up, so no tensor
+            # of this chunk outlives it into the next one.
+            logits = F.linear(x, w, b).float()  # the 16-bit result is freed by .float()
+            log_probs = torch.log_softmax(logits, dim=-1)
+            del logits
             total -= log_probs.gather(1, t[:, None]).sum()
             if need_grad:
                 probs = log_probs.exp_()  # softmax, in place
+                del log_probs
                 probs[torch.arange(len(t), device=t.device), t] -= 1.0  # − one-hot: d(loss sum)/d(logits)
+                if grad_bias is not None:
+                    grad_bias += probs.sum(dim=0).div_(n)  # from the fp32 values: no second fp32 copy
                 g = probs.to(compute_dtype)  # the 1/n of the mean is applied to the small results below
+                del probs
                 grad_features[start:start + chunk_tokens] = (g @ w).float().div_(n).to(features.dtype)
                 grad_weight += (g.t() @ x).float().div_(n)
-                if grad_bias is not None:
-                    grad_bias += g.float().sum(dim=0).div_(n)
+                del g
+            else:
+                del log_probs
         ctx.save_for_backward(grad_features, grad_weight, grad_bias)
         ctx.dtypes = (weight.dtype, bias.dtype if bias is not None else None)
         return total / n
@@ -65,15 +74,17 @@ def chunked_lm_loss(features: torch.Tensor, head: nn.Linear, targets: torch.Tens
                     chunk_tokens: int = 2048) -> torch.Tensor:
     """:func:`lm_loss` of ``head(features)``, computed ``chunk_tokens`` tokens at a time, never holding the logits.
 
-    The plain loss materialises the logits [tokens, vocabulary] and, for backward, keeps the log-probabilities —
-    in fp32, because autocast runs the cross-entropy in fp32: at 8,192 tokens × 50,000 words that is 1.6 GB on
-    its own, however low the precision of the rest of the model. Here the head and the loss run one chunk of tokens
-    at a time, and each chunk's gradients are computed right away in the forward pass (the gradient of
+    The plain loss materialises the logits [tokens, vocabulary] and, for backward, keeps the log-probabilities:
+    in fp32 without autocast; under CUDA autocast ``cross_entropy``'s log-softmax keeps them in 16 bits and
+    ``nll_loss`` (on autocast's fp32 list) an fp32 copy of them besides. At 8,192 tokens × 50,000 words the fp32
+    ones alone are 1.6 GB, however low the precision of the rest of the model. Here the head and the loss run one
+    chunk of tokens at a time, and each chunk's gradients are computed right away in the forward pass (the gradient of
     cross-entropy with respect to the logits is softmax − one-hot): what is kept for backward is the gradient of
     the features and of the head's weights, and backward only scales them. The full logits never exist and
     nothing is recomputed; the matmuls are the plain loss's. Under autocast the matmuls run in autocast's dtype
     and the softmax in fp32, as autocast would; the value equals ``lm_loss(head(features), targets)`` up to
-    rounding. Gradients are computed only when autograd needs them.
+    rounding. Gradients are computed only when autograd needs them. One chunk's logits cost 8 bytes each while it
+    runs (fp32 logits and their log-softmax), whatever the precision.
 
     Raises:
         ValueError: for a non-positive ``chunk_tokens`` or features and targets of different token counts.
