@@ -72,6 +72,14 @@ def test_the_tail_of_a_crash_shows_the_crashing_thread_only(tmp_path):
     assert "idle_worker" not in tail and "Extension modules" not in tail and "\n    Thread 0x" not in tail
 
 
+def test_short_paths_keep_what_a_reader_needs():
+    root = str(Path(isolate.__file__).resolve().parent.parent)
+    lines = ['  File "/opt/torch/.venv/lib/python3.12/site-packages/torch/_inductor/package/package.py", line 1045 in '
+             "_load_aoti", f'  File "{root}/scripts/gpt2_export.py", line 45 in main', "plain text stays"]
+    assert isolate.short_paths(lines) == ['  File "torch/_inductor/package/package.py", line 1045 in _load_aoti',
+                                          '  File "scripts/gpt2_export.py", line 45 in main', "plain text stays"]
+
+
 def test_crash_report_lines_keep_a_dump_without_a_current_thread():
     crash = ["▶ load", "Fatal Python error: Segmentation fault", "", "Thread 0x00007f01 (most recent call first):",
              '  File "pool.py", line 3 in worker', "", "Current thread 0x00007f02 (most recent call first):",

@@ -232,6 +232,17 @@ def crash_report_lines(lines: Sequence[str]) -> list[str]:
     return kept
 
 
+_LONG_PATH = re.compile(r"(?:/[^\s\"':]+)?/(?:site-packages|dist-packages)/")
+
+
+def short_paths(lines: Sequence[str]) -> list[str]:
+    """``lines`` with installed packages' paths cut to the package (``…/site-packages/torch/x.py`` → ``torch/x.py``)
+    and this repository's own paths to their place in it (``/home/you/course/scripts/s.py`` → ``scripts/s.py``):
+    what a reader needs of a stack, without the machine's layout."""
+    root = str(Path(__file__).resolve().parent.parent) + os.sep
+    return [_LONG_PATH.sub("", line).replace(root, "") for line in lines]
+
+
 def failure_cause(lines: Sequence[str]) -> str | None:
     """The line of a failed child's output that best says why: its last exception, else a C++ abort's message,
     else faulthandler's ``Fatal Python error`` line."""
@@ -284,8 +295,10 @@ class ChildRun:
 
     def tail(self, n: int = 12) -> str:
         """Its last ``n`` lines of output, indented, with faulthandler's crash report cut to what says where: the
-        crashing thread's stack (:func:`crash_report_lines`)."""
-        return "\n".join(f"    {line}" for line in crash_report_lines(self.lines)[-n:])
+        crashing thread's stack (:func:`crash_report_lines`), file paths shortened (:func:`short_paths`), and a
+        warning's echoed source line that lost its message (a lone ``warnings.warn(``) left out."""
+        lines = [line for line in short_paths(crash_report_lines(self.lines)) if line.strip() != "warnings.warn("]
+        return "\n".join(f"    {line}" for line in lines[-n:])
 
 
 def run_script(script: str | Path, args: Sequence[object] = (), *, timeout_s: float,
