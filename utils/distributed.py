@@ -604,7 +604,7 @@ class StepParts:
     def names(self) -> dict[str, str]:
         if self.on_gpu:
             return {"idle_s": "GPU idle (waiting for the host to issue work)",
-                    "exposed_s": "communication that computation does not hide",
+                    "exposed_s": "communication not hidden by computation (waiting for the other rank included)",
                     "compute_s": "computation"}
         return {"idle_s": "time between PyTorch's operators (Python, DDP's hooks)",
                 "exposed_s": "communication outside the operators", "compute_s": "time in operators"}
@@ -645,8 +645,9 @@ def main_change(base: StepParts, other: StepParts) -> str:
 
 def step_difference(base: StepParts, other: StepParts) -> str:
     """Where the time went between two steps: 'the step is 2.5 ms longer (13.2 ms → 15.7 ms): GPU idle (waiting
-    for the host to issue work) +2.0 ms, communication that computation does not hide +0.5 ms, computation
-    +0.0 ms — mostly GPU idle (...)': every part's change, largest first, and :func:`main_change` as the cause."""
+    for the host to issue work) +2.0 ms, communication not hidden by computation (waiting for the other rank
+    included) +0.5 ms, computation +0.0 ms — mostly GPU idle (...)': every part's change, largest first, and
+    :func:`main_change` as the cause."""
     from utils.bench import format_seconds as fmt
 
     names = base.names()
