@@ -244,6 +244,20 @@ def test_bytes_per_decode_step_counts_weights_and_cache():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_full_size_caches_equal_recomputation_exactly_in_fp32_on_the_gpu():
+    """Notebook 08's fp32 check at its own sizes (GPT-2 124M, random weights, 128 + 48 tokens): on the GPU the
+    caches' rounding must stay below the gaps between the top logits, so the tokens are exactly equal."""
+    torch.manual_seed(0)
+    config = gpt2.GPT2Config()
+    model = gpt2.GPT2(config).cuda().eval()
+    idx = torch.randint(0, config.vocab_size, (1, 128), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    with torch.inference_mode():
+        exact = gpt2.generate_recompute(model, idx, 48)
+    for cache in (gpt2.DynamicKVCache(), gpt2.StaticKVCache(config, 1, 176).cuda()):
+        assert torch.equal(gpt2.generate_cached(model, idx, 48, cache), exact), type(cache).__name__
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("compile_step", [False, True])
 def test_static_decoder_graph_replays_equal_recomputation(compile_step):
     config = gpt2.GPT2Config.tiny()
