@@ -133,11 +133,12 @@ def transformer_activations(
     layer inputs and the outputs of its four matmuls, 5·D·s + F·s per token, and recomputes the rest. Under
     autocast without checkpointing, the 16-bit copies of the matmul weights are kept too.
 
-    The loss: the plain one keeps the fp32 log-probabilities, N·V·4 bytes (plus the 16-bit logits under CUDA
-    autocast), and its backward briefly adds the fp32 gradients of log-probabilities and logits, N·V·8 (N·V·4
-    under autocast); the chunked one (``utils.train.chunked_lm_loss``) keeps the gradients it computed in the
-    forward pass, of the features (N·D·4) and of the head (V·D·4), and holds one chunk's logits at a time, 8 bytes
-    each whatever the precision (fp32 logits and their log-softmax; under autocast also the head's 16-bit weight).
+    The loss: the plain one keeps the fp32 log-probabilities, N·V·4 bytes (under CUDA autocast its log-softmax keeps
+    16-bit log-probabilities and nll_loss an fp32 copy of them: N·V·(4 + s)), and its backward briefly adds the fp32
+    gradients of log-probabilities and logits, N·V·8 (N·V·4 under autocast); the chunked one
+    (``utils.train.chunked_lm_loss``) keeps the gradients it computed in the forward pass, of the features (N·D·4)
+    and of the head (V·D·4), and holds one chunk's logits at a time, 8 bytes each whatever the precision (fp32
+    logits and their log-softmax; under autocast also the head's 16-bit weight).
 
     Raises:
         ValueError: for a checkpointing mode other than "none", "full" or "selective", or non-positive sizes.
