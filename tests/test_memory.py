@@ -204,16 +204,32 @@ def test_cuda_memory_stats_and_track_peak_on_a_gpu():
     assert mem.end_bytes == mem.start_bytes
 
 
+_RELEASE_A_CACHED_BLOCK = """
+import json, torch
+from utils import memory
+layer = torch.nn.Linear(1024, 1024).cuda()
+layer(torch.randn(64, 1024, device="cuda")).sum().backward()
+allocated = torch.cuda.memory_allocated()
+block = torch.empty(64 * 2**20, dtype=torch.uint8, device="cuda")
+del block
+reserved = torch.cuda.memory_reserved()
+memory.release_memory("cuda", layer)
+print(json.dumps({"grads": [p.grad is not None for p in layer.parameters()], "allocated": allocated,
+                  "allocated_after": torch.cuda.memory_allocated(), "reserved": reserved,
+                  "reserved_after": torch.cuda.memory_reserved()}))
+"""
+
+
 @cuda
 def test_cuda_release_memory_drops_gradients_and_the_cache():
-    layer = torch.nn.Linear(1024, 1024).cuda()
-    layer(torch.randn(64, 1024, device="cuda")).sum().backward()
-    block = torch.empty(64 * MiB, dtype=torch.uint8, device="cuda")
-    del block
-    reserved = torch.cuda.memory_reserved()
-    memory.release_memory("cuda", layer)
-    assert layer.weight.grad is None and layer.bias.grad is None
-    assert torch.cuda.memory_reserved() <= reserved - 64 * MiB
+    # In a fresh process: in a long test session (pytest -n 4 on an H100) the 64 MiB block came from a segment
+    # earlier tests had left cached and still partly in use, which empty_cache cannot give back.
+    out = subprocess.run([sys.executable, "-c", _RELEASE_A_CACHED_BLOCK], capture_output=True, text=True,
+                         timeout=120, cwd=Path(memory.__file__).resolve().parent.parent, check=True).stdout
+    seen = json.loads(out.splitlines()[-1])
+    assert seen["grads"] == [False, False]
+    assert seen["allocated_after"] <= seen["allocated"] - (1024 * 1024 + 1024) * 4  # the gradients' bytes
+    assert seen["reserved_after"] <= seen["reserved"] - 64 * MiB
 
 
 # --- what autograd keeps for backward -------------------------------------------------------------

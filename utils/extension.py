@@ -252,15 +252,25 @@ def _build_in_child(spec: ExtensionSpec, directory: Path, timeout_s: float) -> N
     args_path = directory / "spec.json"
     args_path.write_text(json.dumps(args, indent=1))
     log = directory / "build.log"
+    # This attempt's own log: where another process built the library while this one waited for the lock, ninja
+    # finds nothing to do, and that log must not replace the one holding the compiler's (ptxas -v) lines.
+    attempt = directory / f"build.{os.getpid()}.log"
     try:
         status = run_with_deadline([sys.executable, "-c", _CHILD, str(args_path)], timeout_s=timeout_s,
-                                   log_path=log, env=env)
+                                   log_path=attempt, env=env)
     except TimeoutError as err:
-        if "waiting for another build" in log.read_text(errors="replace"):
-            raise TimeoutError(f"{err}; it was waiting for another build of the same directory, which holds "
-                               f"{directory / 'build.flock'}") from None
-        raise
-    output = log.read_text(errors="replace").splitlines()
+        waited = "waiting for another build" in attempt.read_text(errors="replace")
+        os.replace(attempt, log)
+        message = str(err).replace(str(attempt), str(log))
+        if waited:
+            message += f"; it was waiting for another build of the same directory, which holds " \
+                       f"{directory / 'build.flock'}"
+        raise TimeoutError(message) from None
+    output = attempt.read_text(errors="replace").splitlines()
+    if status == 0 and "ninja: no work to do." in output and log.exists():
+        attempt.unlink()
+    else:
+        os.replace(attempt, log)
     if "removed a stale lock left by an interrupted build" in output:
         print(f"removed a stale lock left by an interrupted build in {directory}")
     if status != 0:
@@ -299,8 +309,8 @@ def demangle(names: Sequence[str]) -> list[str]:
 def ptxas_usage(log_or_directory: Path) -> list[KernelUsage]:
     """Registers and spills of every kernel, from the ``ptxas -v`` lines of a build log (``-Xptxas=-v``).
 
-    Pass the build directory (its ``build.log``) or a log file. Returns [] when the log has no ptxas lines
-    (built without ``-Xptxas=-v``, or the log was overwritten by a later run that compiled nothing).
+    Pass the build directory (its ``build.log``: the log of the last build that compiled something) or a log
+    file. Returns [] when the log has no ptxas lines (built without ``-Xptxas=-v``).
     """
     path = Path(log_or_directory)
     log = path / "build.log" if path.is_dir() else path
