@@ -38,6 +38,20 @@ def test_slow_calls_still_give_min_blocks():
     assert len(timing.block_times_s) >= 3 and timing.calls_per_block == 1
 
 
+def test_slow_calls_cost_only_the_warmup_one_probe_and_the_blocks():
+    """A call longer than a block: warm-up, one probe call, then min_blocks blocks of one call, nothing hidden
+    (torch.utils.benchmark.Timer.timeit adds two untimed calls to every block: for a call of a second, 3× the time)."""
+    calls = []
+
+    def slow():
+        calls.append(1)
+        time.sleep(0.03)
+
+    timing = bench.bench(slow, device="cpu", warmup=1, min_run_time=0.01, min_blocks=3)
+    assert len(calls) == 1 + 1 + 3 and len(timing.block_times_s) == 3
+    assert all(0.025 < t < 0.2 for t in timing.block_times_s)
+
+
 @pytest.mark.parametrize("not_callable", [42, "x @ x", None, torch.ones(2)])
 def test_non_callable_is_a_clear_error(not_callable):
     with pytest.raises(TypeError, match="needs a callable"):

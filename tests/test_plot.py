@@ -76,3 +76,19 @@ def test_curves_draws_each_series():
     assert len(ax.get_lines()) == 3 and ax.get_xscale() == "log" and ax.get_xlabel() == "size (bytes)"
     with pytest.raises(ValueError, match="series 'c'"):
         plot.curves({"c": ([1, 2], [1])}, xlabel="x", ylabel="y", title="t")
+
+
+def test_curves_second_axis_and_markers():
+    fig = plot.curves({"tokens/s": ([1, 2, 4, 8], [1400, 2800, 5500, 9000])}, xlabel="batch", ylabel="tokens/s",
+                      title="Sweep", logx=True, logy=True, vlines={"knee": 4},
+                      right={"ms per step": ([1, 2, 4, 8], [0.7, 0.7, 0.72, 0.9])}, right_label="ms per step")
+    left, right = fig.axes
+    assert right.get_ylabel() == "ms per step" and right.get_yscale() == "log"
+    assert [line.get_label() for line in right.get_lines()] == ["ms per step"]
+    assert any(line.get_label() == "knee" for line in left.get_lines())
+    assert [t.get_text() for t in left.get_legend().get_texts()] == ["tokens/s", "knee", "ms per step"]
+    fig.canvas.draw()
+    labels = [t.get_text() for t in left.get_yticklabels(minor=True) if t.get_text()]
+    assert "2,000" in labels or "5,000" in labels  # the decade 1,000-10,000 is labelled inside, not only at 10^4
+    with pytest.raises(ValueError, match="right_label"):
+        plot.curves({"a": ([1], [1])}, xlabel="x", ylabel="y", title="t", right={"b": ([1], [1])})

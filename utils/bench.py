@@ -1,10 +1,10 @@
 """The course's one timing harness, and the measured peaks that results are put against.
 
-``bench(fn)`` builds on ``torch.utils.benchmark.Timer``: it runs ``fn`` in blocks of calls long enough that the
-clock's own cost is negligible, synchronises the GPU at the block boundaries (its clock calls
-``torch.cuda.synchronize(device)`` before reading ``timeit.default_timer``), and reports the median and
-inter-quartile range of the per-call time over at least ``min_blocks`` blocks. Time is wall-clock per call, so
-launch overhead and host work count, as they do in a real loop.
+``bench(fn)`` runs ``fn`` in blocks of calls long enough that the clock's own cost is negligible (under the
+standard library's ``timeit.Timer``, as ``torch.utils.benchmark.Timer`` does), synchronises the GPU at the block
+boundaries (its clock calls ``torch.cuda.synchronize(device)`` before reading ``timeit.default_timer``), and
+reports the median and inter-quartile range of the per-call time over at least ``min_blocks`` blocks. Time is
+wall-clock per call, so launch overhead and host work count, as they do in a real loop.
 
 ``compare(baseline, candidate)`` turns two timings into a verdict that respects their noise: "1.29× faster",
 "slower: it takes 1.18× as long", or "no difference beyond the noise". Notebooks print it instead of writing a
@@ -129,21 +129,26 @@ def bench(
         fn()
     synchronize(device)
 
-    # torch.utils.benchmark.Timer runs the blocks; our clock synchronises the device being timed (the Timer's
-    # default syncs only the current one), and the Timer gets the threads the reader's code will really use (it
-    # runs single-threaded by default). The blocking policy is ours:
+    # The blocks run under the standard library's timeit.Timer, as torch.utils.benchmark.Timer's do, with a clock
+    # that synchronises the device being timed (that Timer's default syncs only the current one). Not through
+    # torch's Timer itself: its timeit(number) first runs max(number // 100, 2) untimed calls, which for a call of a
+    # second (a whole generation, a training epoch) tripled the time spent. The blocking policy is ours:
     # blocked_autorange can settle on a single block lasting all of min_run_time, which leaves no spread to report.
     def synchronised_clock() -> float:
         synchronize(device)
         return timeit.default_timer()
 
-    timer = _benchmark_module().Timer(stmt="fn()", globals={"fn": fn}, label=label, timer=synchronised_clock,
-                                  num_threads=torch.get_num_threads())
-    one_call_s = max(min(timer.timeit(number=1).median for _ in range(3)), 1e-7)
-    block = max(1, math.ceil(min_run_time / min_blocks / one_call_s))
+    timer = timeit.Timer(stmt=fn, timer=synchronised_clock)
+    per_block_s = min_run_time / min_blocks
+    one_call_s = timer.timeit(number=1)  # the probe: up to 3 single calls, fewer when one already fills a block
+    for _ in range(2):
+        if one_call_s >= 2 * per_block_s:
+            break
+        one_call_s = min(one_call_s, timer.timeit(number=1))
+    block = max(1, math.ceil(per_block_s / max(one_call_s, 1e-7)))
     times: list[float] = []
     while len(times) < min_blocks or sum(times) * block < min_run_time:
-        times.append(timer.timeit(number=block).median)
+        times.append(timer.timeit(number=block) / block)
     return _timing_from(label, times, block, device)
 
 
@@ -166,21 +171,6 @@ def first_call(fn: Callable[[], T], *, device: torch.device | str | None = None)
     result = fn()
     synchronize(device)
     return time.perf_counter() - start, result
-
-
-def _benchmark_module():
-    """torch.utils.benchmark, imported on first use: importing it pulls in torch.utils.cpp_extension, which logs
-    a 'No CUDA runtime is found' warning on machines without CUDA that would clutter every CPU notebook."""
-    import logging
-
-    logger = logging.getLogger("torch.utils.cpp_extension")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        import torch.utils.benchmark as torch_benchmark
-    finally:
-        logger.setLevel(level)
-    return torch_benchmark
 
 
 def _timing_from(label: str, times: Sequence[float], calls_per_block: int, device: torch.device) -> Timing:

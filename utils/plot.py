@@ -148,30 +148,54 @@ def curves(
     logy: bool = False,
     markers: bool = True,
     hlines: Mapping[str, float] | None = None,
+    vlines: Mapping[str, float] | None = None,
+    right: Mapping[str, tuple[Sequence[float], Sequence[float]]] | None = None,
+    right_label: str | None = None,
 ):
     """One line per named (x, y) series, optional log axes and labelled horizontal reference lines.
 
-    Returns the Figure.
+    ``vlines`` marks x positions (e.g. the batch size where a step stops being free). ``right`` draws more series
+    against a second y axis on the right (another unit: ms per step beside tokens/s), dashed, labelled
+    ``right_label``, on the same kind of scale as the left one. Log axes get plain tick labels
+    ("2,000", "0.5"), minor ones too where a decade has fewer than three major ticks. Returns the Figure.
     """
     if not series:
         raise ValueError("curves() needs at least one series")
+    if right and not right_label:
+        raise ValueError("curves(): series on the right axis need right_label (their unit)")
     plt = _pyplot()
+    from matplotlib.ticker import FuncFormatter, LogLocator
+
     fig, ax = plt.subplots(figsize=(7.5, 4.2))
-    for name, (x, y) in series.items():
-        if len(x) != len(y):
-            raise ValueError(f"curves(): series {name!r} has {len(x)} x values and {len(y)} y values")
-        ax.plot(x, y, marker="o" if markers else None, markersize=4, label=name)
+    axes = [(ax, series, "-")] + ([(ax.twinx(), right, "--")] if right else [])
+    n = 0
+    for axis, group, style in axes:
+        for name, (x, y) in group.items():
+            if len(x) != len(y):
+                raise ValueError(f"curves(): series {name!r} has {len(x)} x values and {len(y)} y values")
+            axis.plot(x, y, style, marker="o" if markers else None, markersize=4, label=name, color=f"C{n % 10}")
+            n += 1
+        if logy:
+            axis.set_yscale("log")
+            axis.yaxis.set_major_formatter(FuncFormatter(lambda v, _: _tick(v)))
+            axis.yaxis.set_minor_locator(LogLocator(subs=(2.0, 5.0)))
+            axis.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: _tick(v)))
+            axis.tick_params(axis="y", which="minor", labelsize=7)
     for i, (name, value) in enumerate((hlines or {}).items()):
-        ax.axhline(value, linestyle="--", linewidth=1.1, color=f"C{(len(series) + i) % 10}", label=name)
+        ax.axhline(value, linestyle="--", linewidth=1.1, color=f"C{(n + i) % 10}", label=name)
+    for name, value in (vlines or {}).items():
+        ax.axvline(value, linestyle=":", linewidth=1.3, color="0.35", label=name)
     if logx:
         ax.set_xscale("log", base=2)
-    if logy:
-        ax.set_yscale("log")
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: _tick(v)))
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
+    if right:
+        axes[1][0].set_ylabel(right_label)
     ax.set_title(title)
     ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=9)
+    handles = [h for axis, _, _ in axes for h in axis.get_legend_handles_labels()[0]]
+    ax.legend(handles, [h.get_label() for h in handles], fontsize=9)
     fig.tight_layout()
     plt.close(fig)
     return fig
