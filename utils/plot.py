@@ -180,7 +180,6 @@ def curves(
             axis.yaxis.set_major_formatter(FuncFormatter(lambda v, _: _tick(v)))
             axis.yaxis.set_minor_locator(LogLocator(subs=(2.0, 5.0)))
             axis.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: _tick(v)))
-            axis.tick_params(axis="y", which="minor", labelsize=7)
     for i, (name, value) in enumerate((hlines or {}).items()):
         ax.axhline(value, linestyle="--", linewidth=1.1, color=f"C{(n + i) % 10}", label=name)
     for name, value in (vlines or {}).items():
