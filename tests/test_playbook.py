@@ -150,7 +150,7 @@ def test_findings_rows_print_and_chart(capsys):
 
 
 def test_chart_ticks_under_one_do_not_crowd_a_wide_axis(capsys):
-    """A slower claim beside a 26× one (CUDA graphs): the axis spans about two decades, where 0.6× 0.8× 1× overlapped."""
+    """A slower claim beside a 26× one (CUDA graphs): the axis spans two decades, where 0.6× 0.8× 1× ran together."""
     findings = playbook.Findings()
     findings.measured("compile", bench.compare(timing("eager", 1e-3), timing("compiled", 1.1e-3)))
     findings.measured("cuda_graphs", bench.compare(timing("eager", 26e-3), timing("graphed", 1e-3)))
