@@ -30,6 +30,9 @@ def test_per_step_numbers_divide_by_steps():
 def test_bottleneck_reads_the_idle_share():
     idle = steps_profile([("ampere_sgemm_64x64", 0.0, 100.0)], wall_s=1e-3)
     assert idle.bottleneck().startswith("launch-bound: the GPU is idle 90%")
+    graphed = idle.bottleneck(in_cuda_graphs=True)  # launches are not what it waits for: no "CUDA graphs" advice
+    assert graphed.startswith("host-bound: the GPU is idle 90%") and "CUDA graphs help" not in graphed
+    assert "already run from CUDA graphs" in graphed
     busy = steps_profile([("sm90_xmma_gemm_bf16", 0.0, 900.0), ("elementwise", 900.0, 80.0)], wall_s=1e-3)
     text = busy.bottleneck()
     assert text.startswith("GPU-bound: busy 98%") and "matmul kernels take 92%" in text
