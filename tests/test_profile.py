@@ -63,6 +63,15 @@ def test_compare_profiles_names_what_shrank_and_what_grew():
     assert "matmul and attention kernels take 75% of eager's step" in text and "the other 25%" in text
 
 
+def test_compare_profiles_says_where_a_kind_that_vanished_went():
+    """BERT-Large bf16 on the H200: compiled, no kernel was classed as attention; its work moved into matmuls."""
+    eager = steps_profile([("sm90_xmma_gemm_bf16", 0.0, 2700.0), ("flash_fwd_kernel", 2700.0, 1690.0)], wall_s=5e-3)
+    compiled = steps_profile([("sm90_xmma_gemm_bf16", 0.0, 3440.0)], wall_s=4e-3)
+    text = profile.compare_profiles(eager, compiled)
+    assert "attention kernels shrank most" in text
+    assert "no compiled kernel is classed as attention: that work runs in kernels of another kind there" in text
+
+
 def test_compare_profiles_counts_idle_time_and_says_when_nothing_changed():
     eager = steps_profile([("flash_fwd", 0.0, 100.0), ("elementwise", 100.0, 100.0)], wall_s=1e-3)  # 800 µs idle
     graphed = steps_profile([("flash_fwd", 0.0, 100.0), ("elementwise", 100.0, 100.0)], wall_s=0.3e-3)

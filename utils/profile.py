@@ -236,6 +236,8 @@ def compare_profiles(before: StepProfile, after: StepProfile, names: tuple[str, 
             short = {n: "none" if n is None else n[:60] for n in (b_top, a_top)}
             text += (f"; the largest in both: {short[a_top]}" if b_top == a_top else
                      f"; the largest {b_name}: {short[b_top]}, {a_name}: {short[a_top]}")
+            if a_top is None and b_top is not None:  # not gone: done by kernels of another kind (a fused matmul...)
+                text += f" — no {a_name} kernel is classed as {kind}: that work runs in kernels of another kind there"
         return text + ")"
 
     deltas = {kind: ta[kind] - tb[kind] for kind in tb}
