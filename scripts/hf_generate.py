@@ -10,7 +10,8 @@ trees, and a first call that compiles for tens of seconds. Notebook 08 runs this
 notebook, and so that the graph trees do not share a process with the notebook's own CUDA graphs. The result JSON
 (written after every step, so a crash or the deadline leaves what was done before): per variant, the first call's
 seconds, the graphs Inductor compiled in it, whether the tokens are the greedy ones, and the timing of a whole
-generation (``utils.bench.Timing`` as a dict) — or the error that stopped it.
+generation (``utils.bench.Timing`` as a dict) — or the error that stopped it. A two-token generation runs first,
+untimed, so that no variant's first call carries the process's start-up.
 """
 
 import argparse
@@ -69,6 +70,10 @@ def main() -> None:
         reference, prompt = reference.to(device), prompt.to(device)  # fp32: the greedy check's reference
         hf_model = transformers.GPT2LMHeadModel.from_pretrained(args.checkpoint).to(device=device, dtype=dtype)
         hf_model.eval()
+    # the process's own start-up (CUDA context, cuBLAS handles, transformers' lazy imports), untimed, so that the
+    # first variant's first call does not carry it and the two first calls compare
+    with progress.timed("warm-up"), torch.inference_mode():
+        hf_model.generate(prompt, max_new_tokens=2, min_new_tokens=2, do_sample=False, pad_token_id=0)
     for label, options in VARIANTS.items():
         with progress.timed(label):
             try:

@@ -149,6 +149,15 @@ def test_findings_rows_print_and_chart(capsys):
     assert isinstance(findings.chart(title="t"), matplotlib.figure.Figure)
 
 
+def test_chart_ticks_under_one_do_not_crowd_a_wide_axis(capsys):
+    """A slower claim beside a 26× one (CUDA graphs): the axis spans two decades, where 0.6× 0.8× 1× ran together."""
+    findings = playbook.Findings()
+    findings.measured("compile", bench.compare(timing("eager", 1e-3), timing("compiled", 1.1e-3)))
+    findings.measured("cuda_graphs", bench.compare(timing("eager", 26e-3), timing("graphed", 1e-3)))
+    labels = [t.get_text() for t in findings.chart(title="t").axes[0].get_xticklabels()]
+    assert "0.7×" in labels and "0.6×" not in labels and "0.8×" not in labels and "20×" in labels
+
+
 def test_a_partial_gain_prints_its_measured_reason(capsys):
     findings = playbook.Findings()
     findings.measured("tf32", bench.compare(timing("fp32", 2e-3), timing("tf32", 1e-3)), why="matmuls are 40%")

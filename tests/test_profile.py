@@ -30,6 +30,9 @@ def test_per_step_numbers_divide_by_steps():
 def test_bottleneck_reads_the_idle_share():
     idle = steps_profile([("ampere_sgemm_64x64", 0.0, 100.0)], wall_s=1e-3)
     assert idle.bottleneck().startswith("launch-bound: the GPU is idle 90%")
+    graphed = idle.bottleneck(in_cuda_graphs=True)  # launches are not what it waits for: no "CUDA graphs" advice
+    assert graphed.startswith("host-bound: the GPU is idle 90%") and "CUDA graphs help" not in graphed
+    assert "already run from CUDA graphs" in graphed
     busy = steps_profile([("sm90_xmma_gemm_bf16", 0.0, 900.0), ("elementwise", 900.0, 80.0)], wall_s=1e-3)
     text = busy.bottleneck()
     assert text.startswith("GPU-bound: busy 98%") and "matmul kernels take 92%" in text
@@ -58,6 +61,15 @@ def test_compare_profiles_names_what_shrank_and_what_grew():
     assert ("other kernels grew most (2 ms → 2.6 ms; the largest eager: vectorized_layer_norm, compiled: "
             "triton_per_fused_add_layer_norm)") in text
     assert "matmul and attention kernels take 75% of eager's step" in text and "the other 25%" in text
+
+
+def test_compare_profiles_says_where_a_kind_that_vanished_went():
+    """BERT-Large bf16 on the H200: compiled, no kernel was classed as attention; its work moved into matmuls."""
+    eager = steps_profile([("sm90_xmma_gemm_bf16", 0.0, 2700.0), ("flash_fwd_kernel", 2700.0, 1690.0)], wall_s=5e-3)
+    compiled = steps_profile([("sm90_xmma_gemm_bf16", 0.0, 3440.0)], wall_s=4e-3)
+    text = profile.compare_profiles(eager, compiled)
+    assert "attention kernels shrank most" in text
+    assert "no compiled kernel is classed as attention: that work runs in kernels of another kind there" in text
 
 
 def test_compare_profiles_counts_idle_time_and_says_when_nothing_changed():

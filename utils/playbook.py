@@ -425,8 +425,10 @@ class Findings:
         ax.set_xlim(low_end, high_end)
         ticks = [t for t in (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000)
                  if low_end <= t <= high_end]
-        if min(ticks) >= 1 and any(s < 1 for s in speedups):  # slower bars and no tick under 1×: finer ones
-            ticks = [t for t in (0.6, 0.8) if t >= low_end] + ticks
+        if min(ticks) >= 1 and any(s < 1 for s in speedups):  # slower bars and no tick under 1×: finer ones,
+            # as many as the axis has room for (beyond one and a half decades, 0.6× 0.8× 1× run together)
+            finer = (0.6, 0.8) if high_end / low_end < 30 else (0.7,)
+            ticks = [t for t in finer if t >= low_end] + ticks
         ax.set_xticks(ticks, [f"{t:g}×" for t in ticks])
         ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set_yticks(list(rows), [f.label for f in timed])

@@ -151,13 +151,20 @@ class StepProfile:
                 if self.on_gpu else "—", "matmul": _format_us(kinds["matmul"] * 1e6),
                 "attention": _format_us(kinds["attention"] * 1e6), "other": _format_us(kinds["other"] * 1e6)}
 
-    def bottleneck(self) -> str:
-        """One sentence on what bounds this step, from the numbers: waiting for the host, or which kind of work."""
+    def bottleneck(self, *, in_cuda_graphs: bool = False) -> str:
+        """One sentence on what bounds this step, from the numbers: waiting for the host, or which kind of work.
+
+        ``in_cuda_graphs``: the step's kernels already run from CUDA graphs (``mode="reduce-overhead"``, a captured
+        step), so a GPU that idles waits for host work outside or around the graphs, not for launches."""
         per_kernel_us = self.busy_s * 1e6 / max(self.kernels_per_step, 1)
         if self.on_gpu:
             where = (f"the GPU is idle {self.idle_fraction:.0%} of the {self.unit} "
                      f"({_format_us(self.idle_s * 1e6)} of {_format_us(self.wall_s * 1e6)}; "
                      f"{self.kernels_per_step:.0f} kernels, {_format_us(per_kernel_us)} each on average)")
+            if self.idle_fraction >= 0.5 and in_cuda_graphs:
+                return (f"host-bound: {where} — its kernels already run from CUDA graphs, so the GPU waits for host "
+                        "work outside or around them (eager code between the graphs, their bookkeeping); moving that "
+                        "work into the graphs or off the step helps, faster kernels do not")
             if self.idle_fraction >= 0.5:
                 return (f"launch-bound: {where} — the CPU cannot issue work as fast as the GPU does it; fewer, larger "
                         "kernels help (a larger batch, fusion, CUDA graphs), faster kernels do not")
@@ -229,6 +236,8 @@ def compare_profiles(before: StepProfile, after: StepProfile, names: tuple[str, 
             short = {n: "none" if n is None else n[:60] for n in (b_top, a_top)}
             text += (f"; the largest in both: {short[a_top]}" if b_top == a_top else
                      f"; the largest {b_name}: {short[b_top]}, {a_name}: {short[a_top]}")
+            if a_top is None and b_top is not None:  # not gone: done by kernels of another kind (a fused matmul...)
+                text += f" — no {a_name} kernel is classed as {kind}: that work runs in kernels of another kind there"
         return text + ")"
 
     deltas = {kind: ta[kind] - tb[kind] for kind in tb}
