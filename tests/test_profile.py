@@ -21,6 +21,16 @@ def test_busy_time_is_the_union_of_kernel_intervals():
     assert prof.kernels_per_step == 3
 
 
+def test_overlapping_kernels_are_said_to_overlap():
+    # programmatic dependent launch: each kernel starts 6 µs before the previous ends and waits; busy is the union
+    chain = steps_profile([("gemv_kernel", 10.0 * i, 16.0) for i in range(10)], wall_s=110e-6)
+    assert chain.busy_s == pytest.approx(106e-6) and chain.overlap == pytest.approx(160 / 106)
+    text = chain.bottleneck()
+    assert "matmul kernels take 100%" in text and "the kernels overlap: their durations add up to 1.5× the busy" in text
+    serial = steps_profile([("gemv_kernel", 10.0 * i, 10.0) for i in range(10)], wall_s=110e-6)
+    assert serial.overlap == pytest.approx(1.0) and "overlap" not in serial.bottleneck()
+
+
 def test_per_step_numbers_divide_by_steps():
     prof = steps_profile([("k", 0.0, 10.0), ("k", 100.0, 10.0)], steps=2, wall_s=100e-6)
     assert prof.kernels_per_step == 1 and prof.busy_s == pytest.approx(10e-6)

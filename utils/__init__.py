@@ -16,6 +16,8 @@
 - ``models``  the small models the notebooks train
 - ``number_formats`` how fp32, TF32, fp16, bf16 and fp8 store a value: rounding, overflow, underflow
 - ``gpt2``    a readable GPT-2 (124M) with a static KV cache; real weights from the hub when online
+- ``gpt2_fused`` GPT-2's decode step in five Triton kernels per layer (``import utils.gpt2_fused``: it imports
+  triton, which on a CPU must follow TRITON_INTERPRET=1)
 - ``plot``    tables and the few chart shapes
 - ``explore`` controls (ipywidgets) for "a function of a few parameters → a table or plot", with a static result
 - ``results`` headline figures that the reference run collects

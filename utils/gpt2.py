@@ -364,25 +364,39 @@ class StaticDecoder:
     tokens stay on the GPU until the end (no synchronisation per token).
 
     ``compile_step=True`` compiles the forward with ``torch.compile`` first (Inductor's fused kernels), then
-    captures those in the graph. On a CPU the same step runs eagerly in a loop (no graphs there).
+    captures those in the graph. ``fused_step=True`` runs the forward as :class:`utils.gpt2_fused.FusedDecodeStep`
+    instead: five Triton kernels per layer (on a CPU only in Triton's interpreter). On a CPU the step runs in a loop
+    (no graphs there).
 
     Usage: ``decoder = StaticDecoder(model, batch=1, max_len=512)``; ``decoder.generate(idx, new_tokens)``.
     The graph is captured on the first call (for this batch size; the prompt length may vary).
     """
 
-    def __init__(self, model: GPT2, *, batch: int, max_len: int, compile_step: bool = False) -> None:
+    def __init__(self, model: GPT2, *, batch: int, max_len: int, compile_step: bool = False,
+                 fused_step: bool = False) -> None:
         if max_len < 8:
             raise ValueError(f"max_len must be at least 8 (room for a prompt and the capture's warm-up), got {max_len}")
+        if compile_step and fused_step:
+            raise ValueError("choose one of compile_step and fused_step: the fused step is Triton kernels already")
         param = next(model.parameters())
         self.model, self.device, self.batch, self.max_len = model, param.device, batch, max_len
         self.cache = StaticKVCache(model.config, batch, max_len, dtype=param.dtype).to(self.device)
         self.token = torch.zeros(batch, 1, dtype=torch.int64, device=self.device)
         self.pos = torch.zeros(1, dtype=torch.int64, device=self.device)
         self.out = torch.zeros(batch, max_len, dtype=torch.int64, device=self.device)
-        self.forward = torch.compile(model, fullgraph=True, dynamic=False) if compile_step else model
+        self.fused = fused_step
+        if fused_step:
+            from utils.gpt2_fused import FusedDecodeStep  # imports triton: only when asked (see that module)
+
+            self.forward = FusedDecodeStep(model)
+        else:
+            self.forward = torch.compile(model, fullgraph=True, dynamic=False) if compile_step else model
         self.graph: torch.cuda.CUDAGraph | None = None
 
     def _step(self) -> None:
+        if self.fused:  # the argmax and the bookkeeping below, inside the step's own kernels
+            self.forward.greedy(self.token, self.pos, self.cache, self.out)
+            return
         logits = self.forward(self.token, self.pos, self.cache)
         next_token = logits[:, -1].argmax(dim=-1, keepdim=True)
         self.out.index_copy_(1, self.pos + 1, next_token)

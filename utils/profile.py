@@ -36,7 +36,7 @@ from utils.env import get_device, synchronize
 
 #: Kernel and operator names of matrix multiplies: cuBLAS/cuBLASLt (gemm, nvjet, xmma, cutlass), Triton matmul
 #: templates, and the ATen operators on a CPU.
-MATMUL = re.compile(r"gemm|nvjet|xmma|cutlass|cublas|triton_tem|^aten::(mm|addmm|bmm|baddbmm|_addmm_activation|"
+MATMUL = re.compile(r"gemm|gemv|nvjet|xmma|cutlass|cublas|triton_tem|^aten::(mm|addmm|bmm|baddbmm|_addmm_activation|"
                     r"matmul|linear)$", re.IGNORECASE)
 #: Attention kernels and operators (FlashAttention, memory-efficient, cuDNN, SDPA).
 ATTENTION = re.compile(r"flash|fmha|attention|sdpa|scaled_dot_product", re.IGNORECASE)
@@ -113,6 +113,14 @@ class StepProfile:
         return self._busy_s
 
     @property
+    def overlap(self) -> float:
+        """The kernels' summed durations over the busy time: 1 where one kernel runs at a time, more where kernels
+        overlap — on several streams, or with programmatic dependent launch, where a kernel starts (and waits)
+        before the one before it has ended, so its duration includes that wait."""
+        summed_s = sum(k.duration_us for k in self.kernels) / 1e6 / self.steps
+        return summed_s / self.busy_s if self.busy_s > 0 else 1.0
+
+    @property
     def idle_s(self) -> float:
         """Seconds per step in which no kernel ran (on CPU: no operator ran): the device waited for the host."""
         return max(0.0, self.wall_s - self.busy_s)
@@ -144,7 +152,8 @@ class StepProfile:
                 for name, us in total.most_common(n)]
 
     def summary_row(self, label: str) -> dict[str, object]:
-        """One table row: step time, busy, idle, kernels per step and the time by kind."""
+        """One table row: step time, busy, idle, kernels per step and the time by kind (summed durations: where
+        kernels overlap, :attr:`overlap` > 1, they add up to more than the busy time)."""
         kinds = self.time_by_kind()
         return {self.unit: label, "wall": _format_us(self.wall_s * 1e6), "busy": _format_us(self.busy_s * 1e6),
                 "idle": f"{self.idle_fraction:.0%}", "kernels": f"{self.kernels_per_step:.0f}"
@@ -177,8 +186,11 @@ class StepProfile:
         top_name = next(iter(top[0].values())) if top else "none"
         if self.on_gpu:
             kind = "non-matmul, non-attention" if largest == "other" else largest
+            overlap = (f"; the kernels overlap: their durations add up to {self.overlap:.2g}× the busy time (a kernel "
+                       "that starts before the one before it ends counts its wait too), so the time by kind is "
+                       "shares of the summed durations" if self.overlap > 1.1 else "")
             return (f"GPU-bound: busy {1 - self.idle_fraction:.0%} of the {self.unit}; {kind} kernels take "
-                    f"{share:.0%} of that; the kernel with the most time in total is {top_name}")
+                    f"{share:.0%} of that; the kernel with the most time in total is {top_name}{overlap}")
         return (f"on the CPU, operators take {1 - self.idle_fraction:.0%} of the {self.unit} (the rest is Python and "
                 f"dispatch between them); {largest} takes {share:.0%} of the operator time")
 
