@@ -115,6 +115,13 @@ def test_bad_inputs_are_clear_errors_in_the_interpreter():
             assert "choose one of compile_step and fused_step" in str(err)
         else:
             raise AssertionError("both steps accepted")
+        other = gpt2.GPT2(config).eval()
+        try:
+            gpt2.StaticDecoder(model, batch=1, max_len=16, fused_step=gpt2_fused.FusedDecodeStep(other))
+        except ValueError as err:
+            assert "a utils.gpt2_fused.FusedDecodeStep of this model" in str(err)
+        else:
+            raise AssertionError("another model's step accepted")
         print("ok")
     """)
 
@@ -173,6 +180,8 @@ def test_fused_step_on_the_gpu_matches_the_model(pdl):
 
 @needs_cuda
 def test_fused_decoder_replays_pick_the_greedy_tokens():
+    from utils import gpt2_fused
+
     torch.manual_seed(0)
     config = gpt2.GPT2Config()
     model = gpt2.GPT2(config).eval().cuda()
@@ -186,6 +195,9 @@ def test_fused_decoder_replays_pick_the_greedy_tokens():
         assert gpt2.is_greedy(model, tokens[row:row + 1], 64)
     again = decoder.generate(prompt, 96)  # replays from the same prompt: the same tokens
     assert torch.equal(tokens, again)
+    without_pdl = gpt2.StaticDecoder(low, batch=2, max_len=160,
+                                     fused_step=gpt2_fused.FusedDecodeStep(low, pdl=False)).generate(prompt, 96)
+    assert torch.equal(without_pdl, tokens)  # the same kernels, launched without overlap
     fp32 = gpt2.StaticDecoder(model, batch=2, max_len=160, fused_step=True).generate(prompt, 96)
     for row in range(2):  # fp32 weights: every token the argmax, up to fp32 rounding
         assert gpt2.is_greedy(model, fp32[row:row + 1], 64, rel=1e-4)

@@ -365,7 +365,8 @@ class StaticDecoder:
 
     ``compile_step=True`` compiles the forward with ``torch.compile`` first (Inductor's fused kernels), then
     captures those in the graph. ``fused_step=True`` runs the forward as :class:`utils.gpt2_fused.FusedDecodeStep`
-    instead: five Triton kernels per layer (on a CPU only in Triton's interpreter). On a CPU the step runs in a loop
+    instead: five Triton kernels per layer (on a CPU only in Triton's interpreter); pass a ``FusedDecodeStep`` of
+    this model to choose its options (``pdl=False``). On a CPU the step runs in a loop
     (no graphs there).
 
     Usage: ``decoder = StaticDecoder(model, batch=1, max_len=512)``; ``decoder.generate(idx, new_tokens)``.
@@ -373,7 +374,7 @@ class StaticDecoder:
     """
 
     def __init__(self, model: GPT2, *, batch: int, max_len: int, compile_step: bool = False,
-                 fused_step: bool = False) -> None:
+                 fused_step=False) -> None:
         if max_len < 8:
             raise ValueError(f"max_len must be at least 8 (room for a prompt and the capture's warm-up), got {max_len}")
         if compile_step and fused_step:
@@ -384,11 +385,15 @@ class StaticDecoder:
         self.token = torch.zeros(batch, 1, dtype=torch.int64, device=self.device)
         self.pos = torch.zeros(1, dtype=torch.int64, device=self.device)
         self.out = torch.zeros(batch, max_len, dtype=torch.int64, device=self.device)
-        self.fused = fused_step
-        if fused_step:
+        self.fused = fused_step is not False
+        if fused_step is True:
             from utils.gpt2_fused import FusedDecodeStep  # imports triton: only when asked (see that module)
 
             self.forward = FusedDecodeStep(model)
+        elif self.fused:
+            if getattr(fused_step, "model", None) is not model or not hasattr(fused_step, "greedy"):
+                raise ValueError("fused_step must be True, False or a utils.gpt2_fused.FusedDecodeStep of this model")
+            self.forward = fused_step
         else:
             self.forward = torch.compile(model, fullgraph=True, dynamic=False) if compile_step else model
         self.graph: torch.cuda.CUDAGraph | None = None
