@@ -40,7 +40,8 @@ def test_fused_step_matches_the_model_in_the_interpreter():
             model = gpt2.GPT2(config).eval().to(dtype)
             for splits in (None, 4, 8):  # None: the module's choice (1 split up to 127 positions, then 2)
                 gpt2_fused.attention_blocks = original if splits is None else (
-                    lambda max_len, s=splits: {"SPLITS": s, "BLOCK_T": 16, "num_warps": 4})
+                    lambda max_len, s=splits: {"SPLITS": s, "BLOCK_T": 16, "ITERS": -(-max_len // (16 * s)),
+                                               "num_warps": 4})
                 step = gpt2_fused.FusedDecodeStep(model)
                 for batch, prompt, max_len in ((1, 0, 16), (2, 3, 16), (2, 40, 64), (1, 100, 128)):
                     ours = gpt2.StaticKVCache(config, batch, max_len, dtype=dtype)
@@ -150,6 +151,7 @@ def test_block_choices_stay_within_their_limits():
     for max_len, splits in ((16, 1), (64, 1), (128, 2), (384, 4), (1024, 8), (4096, 8)):
         blocks = gpt2_fused.attention_blocks(max_len)
         assert blocks["SPLITS"] == splits and blocks["BLOCK_T"] <= 128, (max_len, blocks)
+        assert blocks["SPLITS"] * blocks["BLOCK_T"] * blocks["ITERS"] >= max_len  # every position has a split
 
 
 @needs_cuda

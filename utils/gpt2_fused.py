@@ -123,7 +123,7 @@ if triton is not None:
     @triton.jit
     def decode_attention_kernel(qkv_ptr, k_cache_ptr, v_cache_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, pos_ptr, C,
                                 cache_batch_stride, cache_head_stride, scale, D: tl.constexpr, SPLITS: tl.constexpr,
-                                BLOCK_T: tl.constexpr, PDL: tl.constexpr):
+                                BLOCK_T: tl.constexpr, ITERS: tl.constexpr, PDL: tl.constexpr):
         # One program: split `s` of head `h` of sequence `b` (flash-decoding: the positions before `pos` are shared
         # among SPLITS programs per head, so that more multiprocessors read the cache). qkv: [B, 3C] fp32, Q, K, V
         # of the new token; the caches: [B, H, max_len, D] of this layer. Split 0 also takes the new token (position
@@ -150,15 +150,18 @@ if triton is not None:
         chunk = tl.cdiv(pos, SPLITS)
         lo = s * chunk
         hi = tl.minimum(lo + chunk, pos)
-        for t0 in range(lo, hi, BLOCK_T):
-            ts = t0 + tl.arange(0, BLOCK_T)
+        # ITERS x BLOCK_T covers the longest split the cache allows: a fixed trip count (compile-time), the positions
+        # past `hi` masked off — a split with nothing to read keeps m = -inf, denominator 0, sum 0
+        for i in range(ITERS):
+            ts = lo + i * BLOCK_T + tl.arange(0, BLOCK_T)
             t_ok = ts < hi
             k = tl.load(k_head + ts[:, None] * D + d[None, :], mask=t_ok[:, None], other=0.0).to(tl.float32)
             v = tl.load(v_head + ts[:, None] * D + d[None, :], mask=t_ok[:, None], other=0.0).to(tl.float32)
             scores = tl.where(t_ok, tl.sum(k * q[None, :], axis=1), float("-inf"))
             m_new = tl.maximum(m, tl.max(scores, axis=0))
-            alpha = tl.exp(m - m_new)
-            p = tl.exp(scores - m_new)
+            shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: exp(-inf - 0) = 0, no NaN
+            alpha = tl.exp(m - shift)
+            p = tl.exp(scores - shift)
             denom = denom * alpha + tl.sum(p, axis=0)
             acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
             m = m_new
@@ -171,7 +174,7 @@ if triton is not None:
 
     @triton.jit
     def pick_kernel(best_val_ptr, best_idx_ptr, programs, token_ptr, token_stride, out_ptr, out_stride, pos_ptr,
-                    batch, BLOCK_P: tl.constexpr, PDL: tl.constexpr):
+                    BATCH: tl.constexpr, BLOCK_P: tl.constexpr, PDL: tl.constexpr):
         # One program for the whole batch: each row's greedy token from the head's per-program candidates (the
         # first of equal maxima, as torch.argmax), written as the next input token and into the output at pos + 1;
         # then the position advances. What StaticDecoder's step does with torch ops, in one launch.
@@ -180,7 +183,7 @@ if triton is not None:
         pos = tl.load(pos_ptr)
         offs = tl.arange(0, BLOCK_P)
         ok = offs < programs
-        for b in range(batch):
+        for b in tl.static_range(BATCH):
             vals = tl.load(best_val_ptr + b * programs + offs, mask=ok, other=float("-inf"))
             winner = tl.argmax(vals, axis=0)
             token = tl.load(best_idx_ptr + b * programs + winner).to(tl.int64)
@@ -224,14 +227,16 @@ def _blocks(n: int, k: int, programs_wanted: int) -> tuple[int, int, int]:
 
 
 def attention_blocks(max_len: int) -> dict[str, int]:
-    """SPLITS, BLOCK_T and num_warps of :data:`decode_attention_kernel` for a cache of ``max_len`` positions: a split
-    per 64 positions (a power of two, at most 8), and blocks of up to 128 positions.
+    """SPLITS, BLOCK_T, ITERS and num_warps of :data:`decode_attention_kernel` for a cache of ``max_len`` positions: a
+    split per 64 positions (a power of two, at most 8), blocks of up to 128 positions, and as many blocks (ITERS) as
+    the longest split needs.
 
     On an H100, GPT-2 small with a 384-position cache took 233 µs a token with 4 splits, 245 µs with 2 and 258 µs
     with 1: fewer positions per program shorten the kernel more than combining the splits costs."""
     splits = min(8, 1 << (max(1, max_len // 64).bit_length() - 1))
-    block_t = min(128, max(16, triton.next_power_of_2(-(-max_len // splits))))
-    return {"SPLITS": splits, "BLOCK_T": block_t, "num_warps": 4}
+    longest = -(-max_len // splits)  # the most positions one split reads
+    block_t = min(128, max(16, triton.next_power_of_2(longest)))
+    return {"SPLITS": splits, "BLOCK_T": block_t, "ITERS": -(-longest // block_t), "num_warps": 4}
 
 
 class FusedDecodeStep:
@@ -367,4 +372,5 @@ class FusedDecodeStep:
         buf = self._forward(token, pos, cache, argmax=True)
         programs = buf["best_val"].shape[1]
         pick_kernel[(1,)](buf["best_val"], buf["best_idx"], programs, token, token.stride(0), out, out.stride(0),
-                          pos, token.shape[0], BLOCK_P=triton.next_power_of_2(programs), PDL=self.pdl, **self._launch)
+                          pos, BATCH=token.shape[0], BLOCK_P=triton.next_power_of_2(programs), PDL=self.pdl,
+                          **self._launch)
