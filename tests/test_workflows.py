@@ -124,6 +124,34 @@ def test_gpu_run_collects_only_the_notebooks_it_executed(tmp_path):
     assert pytest_call and pytest_call[0].endswith("--overwrite notebooks/04_torch_compile.ipynb")
 
 
+def test_gpu_run_copies_what_git_tracks_or_would_track(tmp_path):
+    """A checkout whose index is stale (a working tree copied to a GPU machine with an older .git) still brings its
+    new files: untracked ones that git does not ignore are copied too; ignored ones and deleted tracked ones are not."""
+    if shutil.which("git") is None or shutil.which("tar") is None:
+        pytest.skip("needs git and tar")
+    repo = tmp_path / "repo"
+    (repo / ".ci").mkdir(parents=True)
+    shutil.copy(course.ROOT / ".ci" / "gpu-run", repo / ".ci" / "gpu-run")
+    (repo / ".gitignore").write_text("build/\nscratch.txt\n")
+    (repo / "tracked.py").write_text("x = 1\n")
+    (repo / "deleted.py").write_text("y = 2\n")
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(repo)]
+    for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "one"]):
+        subprocess.run(git + args, check=True, capture_output=True)
+    (repo / "deleted.py").unlink()
+    (repo / "new_module.py").write_text("z = 3\n")  # never added: what a stale index does not list
+    (repo / "scratch.txt").write_text("ignored\n")
+    fake = tmp_path / "python"  # says CUDA is there and does nothing else
+    fake.write_text("#!/bin/sh\nexit 0\n")
+    fake.chmod(0o755)
+    result = subprocess.run(["bash", str(repo / ".ci" / "gpu-run")], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PYTHON": str(fake), "UNIT_TESTS": "0"})
+    assert result.returncode == 0, result.stderr
+    copied = {p.name for p in (repo / "build" / "gpu-run").iterdir()}
+    assert {"tracked.py", "new_module.py", ".gitignore"} <= copied
+    assert not {"scratch.txt", "deleted.py", "build"} & copied
+
+
 def test_readme_documents_both_runs_and_the_badge():
     readme = (course.ROOT / "README.md").read_text()
     assert f"{course.repo_url()}/actions/workflows/cpu.yml/badge.svg" in readme

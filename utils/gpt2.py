@@ -366,8 +366,7 @@ class StaticDecoder:
     ``compile_step=True`` compiles the forward with ``torch.compile`` first (Inductor's fused kernels), then
     captures those in the graph. ``fused_step=True`` runs the forward as :class:`utils.gpt2_fused.FusedDecodeStep`
     instead: five Triton kernels per layer (on a CPU only in Triton's interpreter); pass a ``FusedDecodeStep`` of
-    this model to choose its options (``pdl=False``). On a CPU the step runs in a loop
-    (no graphs there).
+    this model to choose its options (``pdl=False``). On a CPU the step runs in a loop (no graphs there).
 
     Usage: ``decoder = StaticDecoder(model, batch=1, max_len=512)``; ``decoder.generate(idx, new_tokens)``.
     The graph is captured on the first call (for this batch size; the prompt length may vary).
