@@ -105,16 +105,33 @@ def test_gpu_run_needs_a_python(tmp_path):
     assert result.returncode == 2 and "not found" in result.stderr
 
 
+def _checkout_with_gpu_run(tmp_path, files):
+    """A git checkout in tmp_path holding .ci/gpu-run and `files` (name -> text), committed: gpu-run replaces its
+    build/gpu-run, so tests run it here, never in the course's checkout (whose executed notebooks it would delete)."""
+    repo = tmp_path / "repo"
+    (repo / ".ci").mkdir(parents=True)
+    shutil.copy(course.ROOT / ".ci" / "gpu-run", repo / ".ci" / "gpu-run")
+    for name, text in files.items():
+        (repo / name).parent.mkdir(parents=True, exist_ok=True)
+        (repo / name).write_text(text)
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(repo)]
+    for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "one"]):
+        subprocess.run(git + args, check=True, capture_output=True)
+    return repo
+
+
 def test_gpu_run_collects_only_the_notebooks_it_executed(tmp_path):
     """The other copies in build/gpu-run carry the reference GPU's committed outputs: their figures must not be
     filed under this GPU's name (a run of 04 alone once wrote the H200's figures of 00-02 into results/h100.json)."""
-    if shutil.which("git") is None or shutil.which("tar") is None or not (course.ROOT / ".git").exists():
-        pytest.skip("needs git, tar and a checkout")
+    if shutil.which("git") is None or shutil.which("tar") is None:
+        pytest.skip("needs git and tar")
+    repo = _checkout_with_gpu_run(tmp_path, {"notebooks/00_install_check.ipynb": "{}\n",
+                                             "notebooks/04_torch_compile.ipynb": "{}\n"})
     calls = tmp_path / "calls.txt"
     fake = tmp_path / "python"  # stands in for the GPU machine's Python: says CUDA is there, logs what it is asked
     fake.write_text(f'#!/bin/sh\necho "$*" >> {calls}\nexit 0\n')
     fake.chmod(0o755)
-    result = subprocess.run(["bash", str(course.ROOT / ".ci" / "gpu-run"), "notebooks/04_torch_compile.ipynb"],
+    result = subprocess.run(["bash", str(repo / ".ci" / "gpu-run"), "notebooks/04_torch_compile.ipynb"],
                             capture_output=True, text=True, timeout=120,
                             env={**os.environ, "PYTHON": str(fake), "UNIT_TESTS": "0"})
     assert result.returncode == 0, result.stderr
@@ -122,6 +139,7 @@ def test_gpu_run_collects_only_the_notebooks_it_executed(tmp_path):
     assert collect == ["-m tools.reference_run --collect-only --results-dir results notebooks/04_torch_compile.ipynb"]
     pytest_call = [line for line in calls.read_text().splitlines() if line.startswith("-m pytest")]
     assert pytest_call and pytest_call[0].endswith("--overwrite notebooks/04_torch_compile.ipynb")
+    assert (repo / "build" / "gpu-run" / "notebooks" / "00_install_check.ipynb").exists()
 
 
 def test_gpu_run_copies_what_git_tracks_or_would_track(tmp_path):
@@ -129,15 +147,8 @@ def test_gpu_run_copies_what_git_tracks_or_would_track(tmp_path):
     new files: untracked ones that git does not ignore are copied too; ignored ones and deleted tracked ones are not."""
     if shutil.which("git") is None or shutil.which("tar") is None:
         pytest.skip("needs git and tar")
-    repo = tmp_path / "repo"
-    (repo / ".ci").mkdir(parents=True)
-    shutil.copy(course.ROOT / ".ci" / "gpu-run", repo / ".ci" / "gpu-run")
-    (repo / ".gitignore").write_text("build/\nscratch.txt\n")
-    (repo / "tracked.py").write_text("x = 1\n")
-    (repo / "deleted.py").write_text("y = 2\n")
-    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(repo)]
-    for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "one"]):
-        subprocess.run(git + args, check=True, capture_output=True)
+    repo = _checkout_with_gpu_run(tmp_path, {".gitignore": "build/\nscratch.txt\n", "tracked.py": "x = 1\n",
+                                             "deleted.py": "y = 2\n"})
     (repo / "deleted.py").unlink()
     (repo / "new_module.py").write_text("z = 3\n")  # never added: what a stale index does not list
     (repo / "scratch.txt").write_text("ignored\n")
