@@ -59,7 +59,8 @@ NOTEBOOKS: dict[str, tuple[str, str]] = {
         "{fused_gbps_triton:,.0f} GB/s Triton · {speedup_vs_eager:.1f}× eager",
     ),
     "08_inference": (
-        "GPT-2 decoding from the guide's loop to a CUDA-graph step near the memory limit; HF generate; export",
+        "GPT-2 decoding from the guide's loop to a Triton step in a CUDA graph, against the memory limit; HF generate; "
+        "export",
         "GPT-2 batch 1: {gpt2_tok_s_guide_loop:,.0f} → {gpt2_tok_s_best:,.0f} tokens/s "
         "({gpt2_best_pct_copy_bandwidth:.0f}% of copy bandwidth)",
     ),
