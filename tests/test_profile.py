@@ -58,6 +58,20 @@ def test_kinds_and_top_kernels():
     assert len(top) == 2 and set(prof.summary_row("eager")) >= {"step", "busy", "idle", "kernels"}
 
 
+def test_a_cpu_backward_counts_its_matmuls_as_matmul():
+    """On a CPU the backward's top-level operators are autograd's nodes ('…: AddmmBackward0'): a Linear's backward
+    is matmul work, not 'other' (04's Amdahl bound and 07's MLP advice read 'other' as what fusion can save)."""
+    assert profile.kind_of("autograd::engine::evaluate_function: AddmmBackward0") == "matmul"
+    assert profile.kind_of("autograd::engine::evaluate_function: MmBackward0") == "matmul"
+    assert profile.kind_of("autograd::engine::evaluate_function: GeluBackward0") == "other"
+    layer = torch.nn.Linear(256, 256)
+    x = torch.randn(64, 256, requires_grad=True)
+    prof = profile.profile_steps(lambda: layer(x).sum().backward(), steps=2, device="cpu")
+    backward = [k.name for k in prof.kernels if k.name.startswith("autograd::engine::evaluate_function")]
+    assert any("AddmmBackward" in name for name in backward), backward
+    assert prof.time_by_kind()["matmul"] > 0
+
+
 def test_compare_profiles_names_what_shrank_and_what_grew():
     # the H200's BERT-Large fp32 case, per batch: the same largest matmul kernel got 1.2 ms faster, while other
     # kernels and idle time grew, so the batch is about as long; matmul is 75% of eager's 12 ms

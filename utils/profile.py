@@ -37,7 +37,10 @@ from utils.env import get_device, synchronize
 #: Kernel and operator names of matrix multiplies: cuBLAS/cuBLASLt (gemm, nvjet, xmma, cutlass), Triton matmul
 #: templates, and the ATen operators on a CPU.
 MATMUL = re.compile(r"gemm|gemv|nvjet|xmma|cutlass|cublas|triton_tem|^aten::(mm|addmm|bmm|baddbmm|_addmm_activation|"
-                    r"matmul|linear)$", re.IGNORECASE)
+                    r"matmul|linear)$"
+                    # a CPU profile's backward: autograd's node for a matmul is the top-level operator
+                    r"|^autograd::engine::evaluate_function: (Addmm|Mm|Bmm|Baddbmm|Linear|Matmul)Backward\d*$",
+                    re.IGNORECASE)
 #: Attention kernels and operators (FlashAttention, memory-efficient, cuDNN, SDPA).
 ATTENTION = re.compile(r"flash|fmha|attention|sdpa|scaled_dot_product", re.IGNORECASE)
 #: Profiler events that are wrappers, not work (compiled-graph calls, Dynamo frames, profiler steps).
@@ -191,8 +194,9 @@ class StepProfile:
                        "shares of the summed durations" if self.overlap > 1.1 else "")
             return (f"GPU-bound: busy {1 - self.idle_fraction:.0%} of the {self.unit}; {kind} kernels take "
                     f"{share:.0%} of that; the kernel with the most time in total is {top_name}{overlap}")
-        return (f"on the CPU, operators take {1 - self.idle_fraction:.0%} of the {self.unit} (the rest is Python and "
-                f"dispatch between them); {largest} takes {share:.0%} of the operator time")
+        return (f"on the CPU, operators take {1 - self.idle_fraction:.0%} of the {self.unit} (the rest is Python, "
+                f"dispatch, and compiled code the profiler does not record as an operator); {largest} takes "
+                f"{share:.0%} of the operator time")
 
     def __str__(self) -> str:
         return (f"{self.steps} {self.unit}s on {self.device}: {_format_us(self.wall_s * 1e6)} per {self.unit}, "
