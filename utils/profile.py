@@ -25,7 +25,7 @@ import time
 import warnings
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -410,6 +410,8 @@ def profile_steps(
         warmup: unprofiled calls first (compilation, autotuning, cuDNN/cuBLAS set-up stay out of the profile).
         step_s: the step time measured without the profiler (e.g. ``utils.bench`` median): idle time is computed
             against it, since the profiler slows the host a little. Default: the wall time under the profiler.
+            On a CPU the profiler slows the operators it records as much as the host between them, so there the
+            operators' times are scaled by ``step_s`` over the profiled step: busy and idle then add up to the step.
         trace_path: where to save a Chrome/Perfetto trace (JSON) of the profiled steps; open it at
             https://ui.perfetto.dev. None: no trace.
         unit: what one call is, for the tables and sentences ("step", "epoch", "forward pass", ...).
@@ -446,6 +448,10 @@ def profile_steps(
                 synchronize(device)
                 profiled_wall_s = (time.perf_counter() - start) / steps
             kernels = gpu_kernels(prof) if on_gpu else cpu_operators(prof)
+            if not on_gpu and step_s is not None and profiled_wall_s > 0:  # into the unprofiled step's time
+                scale = step_s / profiled_wall_s
+                kernels = [replace(k, start_us=k.start_us * scale, duration_us=k.duration_us * scale)
+                           for k in kernels]
             operator_calls = Counter(e.name for e in prof.events() if e.device_type == DeviceType.CPU
                                      and not getattr(e, "is_user_annotation", False))
     finally:
