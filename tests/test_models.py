@@ -102,3 +102,13 @@ def test_train_step_rejects_other_dtypes():
     with pytest.raises(ValueError, match="amp_dtype"):
         train.train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), *data.synthetic_tokens(1, 4, 50),
                          amp_dtype=torch.float64)
+
+
+@pytest.mark.parametrize(("gib", "batch"), [(139.8, 32), (79.2, 32), (14.6, 16), (7.6, 8), (3.8, 4)])
+def test_seed_train_batch_follows_the_gpus_memory(gib, batch):  # H200, H100, T4, 8 GB and 4 GB laptop GPUs
+    assert models.seed_train_batch(int(gib * 2**30)) == batch
+
+
+def test_seed_train_batch_rejects_a_size_that_is_not_one():
+    with pytest.raises(ValueError, match="memory in bytes"):
+        models.seed_train_batch(0)
