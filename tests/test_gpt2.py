@@ -235,6 +235,37 @@ def test_static_decoder_on_cpu_equals_recomputation():
         decoder.prefill(idx[:1])
 
 
+def test_static_decoder_rewind_repeats_the_decode_without_the_prefill():
+    config = gpt2.GPT2Config.tiny()
+    torch.manual_seed(0)
+    model = gpt2.GPT2(config).eval()
+    idx = torch.randint(0, config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(7))
+    decoder = gpt2.StaticDecoder(model, batch=2, max_len=32)
+    with pytest.raises(RuntimeError, match="call prefill"):
+        decoder.rewind()
+    expected = decoder.generate(idx, 10)
+    decoder.out[:, 7:].fill_(-1)  # what the decode steps write: it must come back
+    for _ in range(2):  # each time from the first new position, not from where the last decode stopped
+        decoder.rewind()
+        decoder.decode(10)
+        assert torch.equal(decoder.out[:, :16], expected)
+    assert int(decoder.pos) == 15
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_static_decoder_rewind_replays_the_graph_exactly():
+    config = gpt2.GPT2Config.tiny()
+    torch.manual_seed(0)
+    model = gpt2.GPT2(config).cuda().eval()
+    idx = torch.randint(0, config.vocab_size, (1, 5), device="cuda", generator=torch.Generator("cuda").manual_seed(8))
+    decoder = gpt2.StaticDecoder(model, batch=1, max_len=40)
+    expected = decoder.generate(idx, 20)
+    decoder.out[:, 6:].fill_(-1)
+    decoder.rewind()
+    decoder.decode(20)
+    assert torch.equal(decoder.out[:, :25], expected) and decoder.graph is not None
+
+
 def test_bytes_per_decode_step_counts_weights_and_cache():
     config = gpt2.GPT2Config.tiny()
     model = gpt2.GPT2(config)
@@ -284,7 +315,7 @@ def test_decode_rate_arithmetic():
     assert rate.tokens_per_s == pytest.approx(800) and rate.ms_per_token == pytest.approx(5.0)
     expected_gbps = gpt2.bytes_per_decode_step(model, 4, 60) * 200 / 1e9
     assert rate.gbps == pytest.approx(expected_gbps) and rate.pct_copy == pytest.approx(expected_gbps / 10)
-    assert set(rate.row()) == {"variant", "tokens/s", "ms/token", "GB/s", "% of copy"}
+    assert set(rate.row()) == {"variant", "tokens/s", "ms/step", "GB/s", "% of copy"}
     # a loop without a separate prefill (the guide's): every one of the new tokens is a step of the time given
     whole = gpt2.decode_rate("guide", 0.5, model, batch=1, prompt=10, new_tokens=100, prefill_included=True)
     assert whole.ms_per_token == pytest.approx(5.0) and whole.pct_copy is None

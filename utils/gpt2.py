@@ -385,6 +385,7 @@ class StaticDecoder:
         self.pos = torch.zeros(1, dtype=torch.int64, device=self.device)
         self.out = torch.zeros(batch, max_len, dtype=torch.int64, device=self.device)
         self.fused = fused_step is not False
+        self.prompt_len: int | None = None  # set by prefill(): where rewind() takes the decoder back to
         if fused_step is True:
             from utils.gpt2_fused import FusedDecodeStep  # imports triton: only when asked (see that module)
 
@@ -417,6 +418,22 @@ class StaticDecoder:
         logits = self.model(idx, torch.arange(t, device=self.device), self.cache)
         self.out[:, :t] = idx
         self.out[:, t:t + 1] = logits[:, -1].argmax(dim=-1, keepdim=True)
+        self.token.copy_(self.out[:, t:t + 1])
+        self.pos.fill_(t)
+        self.prompt_len = t
+
+    @torch.inference_mode()
+    def rewind(self) -> None:
+        """Back to the state the last :meth:`prefill` left: its first new token as the input, at the first new
+        position. The prompt's keys and values stay in the cache and the decode steps write the same positions again,
+        so ``rewind(); decode(n)`` repeats the last decode exactly: the decode steps can be timed without the prefill.
+
+        Raises:
+            RuntimeError: before any prefill.
+        """
+        if self.prompt_len is None:
+            raise RuntimeError("rewind() goes back to the last prefill: call prefill() (or generate()) first")
+        t = self.prompt_len
         self.token.copy_(self.out[:, t:t + 1])
         self.pos.fill_(t)
 
@@ -553,12 +570,12 @@ class DecodeRate:
 
     label: str
     tokens_per_s: float
-    ms_per_token: float  # per decode step: one new token for every sequence of the batch
+    ms_per_token: float  # per decode step (one new token for every sequence of the batch): the table's ms/step
     gbps: float  # the fewest bytes a step must read (bytes_per_decode_step) × steps per second
     pct_copy: float | None  # gbps as a % of the copy bandwidth measured in the same run
 
     def row(self) -> dict[str, object]:
-        return {"variant": self.label, "tokens/s": f"{self.tokens_per_s:,.0f}", "ms/token": f"{self.ms_per_token:.3g}",
+        return {"variant": self.label, "tokens/s": f"{self.tokens_per_s:,.0f}", "ms/step": f"{self.ms_per_token:.3g}",
                 "GB/s": f"{self.gbps:,.0f}", "% of copy": f"{self.pct_copy:.0f}%" if self.pct_copy else "—"}
 
 
