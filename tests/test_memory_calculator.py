@@ -105,6 +105,23 @@ def test_plot_stacked_memory_stacks_parts_and_marks_peaks(tmp_path):
     fig.savefig(tmp_path / "stack.png")
 
 
+def test_plot_stacked_memory_order_puts_a_part_missing_from_the_first_bar_in_place():
+    # Notebook 05: the predicted bar has no "workspace"; without order it would stack above "gradients".
+    bars = {"predicted": {"weights": 2**30, "gradients": 2**30},
+            "measured": {"weights": 2**30, "workspace": 2**28, "gradients": 2**30}}
+    default = memory_calculator.plot_stacked_memory(bars, title="default").axes[0]
+    assert [t.get_text() for t in default.get_legend().get_texts()] == ["weights", "gradients", "workspace"]
+    ax = memory_calculator.plot_stacked_memory(bars, title="ordered",
+                                               order=["weights", "workspace", "unused", "gradients"]).axes[0]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["weights", "workspace", "gradients"]
+    # patches go part by part, bar by bar: the measured bar's gradients start on top of its workspace
+    measured_gradients = ax.patches[5]
+    assert measured_gradients.get_y() == 1.0 + 0.25 and measured_gradients.get_height() == 1.0
+    # parts that order does not name still appear, after the named ones
+    partial = memory_calculator.plot_stacked_memory(bars, title="partial", order=["gradients"]).axes[0]
+    assert [t.get_text() for t in partial.get_legend().get_texts()] == ["gradients", "weights", "workspace"]
+
+
 # --- on a real GPU --------------------------------------------------------------------------------
 
 

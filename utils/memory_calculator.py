@@ -258,14 +258,18 @@ def predict_training_memory(
 
 
 def plot_stacked_memory(bars: dict[str, dict[str, int]], *, title: str,
-                        peaks: dict[str, int] | None = None) -> Figure:
+                        peaks: dict[str, int] | None = None, order: Sequence[str] | None = None) -> Figure:
     """One stacked bar per entry of ``bars`` (bar label → {part: bytes}); a part has the same colour in every
     bar, and a part missing from a bar counts as 0. ``peaks`` (bar label → bytes) draws each bar's peak as a
     black line across it: the parts of a training step do not all live at once, so the peak can lie below the
-    top of the stack. Returns a closed Figure."""
+    top of the stack. ``order`` lists parts from the bottom of every stack up (parts it does not name follow, in
+    order of first appearance); without it, the parts stack in order of first appearance across the bars, so a
+    part missing from the first bar lands above all of that bar's parts. Returns a closed Figure."""
     import matplotlib.pyplot as plt
 
-    parts = list(dict.fromkeys(part for stack in bars.values() for part in stack))
+    seen = list(dict.fromkeys(part for stack in bars.values() for part in stack))
+    parts = [part for part in dict.fromkeys(order or ()) if part in seen]
+    parts += [part for part in seen if part not in parts]
     totals = [sum(max(0, v) for v in stack.values()) for stack in bars.values()]
     top = max([*totals, *(peaks or {}).values(), 1])
     unit, scale = ("GiB", 2**30) if top >= 2**30 else ("MiB", 2**20)
