@@ -64,6 +64,19 @@ def test_horizontal_bar_ticks_are_few_and_readable():
     assert shown.y0 * fig.dpi <= legend_box.y0 + 1, "the legend must not be cropped off"
 
 
+def test_bar_draws_asymmetric_errors():
+    """(below, above) pairs: each bar's error line runs from value − below to value + above, e.g. the quartiles."""
+    fig = plot.bar(["a", "b"], [10.0, 20.0], ylabel="ms", title="t", errors=[(1.0, 3.0), (2.0, 0.5)])
+    (container,) = [c for c in fig.axes[0].containers if hasattr(c, "lines") and c.lines[2]]
+    segments = container.lines[2][0].get_segments()
+    assert [(seg[0][1], seg[1][1]) for seg in segments] == [(9.0, 13.0), (18.0, 20.5)]
+    symmetric = plot.bar(["a"], [10.0], ylabel="ms", title="t", errors=[2.0])
+    (container,) = [c for c in symmetric.axes[0].containers if hasattr(c, "lines") and c.lines[2]]
+    assert [(s[0][1], s[1][1]) for s in container.lines[2][0].get_segments()] == [(8.0, 12.0)]
+    with pytest.raises(ValueError, match="pairs"):
+        plot.bar(["a", "b"], [1.0, 2.0], ylabel="y", title="t", errors=[(0.1, 0.2), 0.3])
+
+
 def test_bar_rejects_mismatched_lengths():
     with pytest.raises(ValueError):
         plot.bar(["a"], [1.0, 2.0], ylabel="y", title="t")

@@ -81,7 +81,7 @@ def bar(
     *,
     ylabel: str,
     title: str,
-    errors: Sequence[float] | None = None,
+    errors: Sequence[float] | Sequence[tuple[float, float]] | None = None,
     reference: float | None = None,
     reference_label: str | None = None,
     horizontal: bool = False,
@@ -89,6 +89,9 @@ def bar(
     value_range: tuple[float, float] | None = None,
 ):
     """Bars with their values written on them, optional error bars (e.g. IQR) and a reference line (a peak).
+
+    ``errors`` gives one half-length per bar (drawn ± it), or one ``(below, above)`` pair per bar for asymmetric
+    bars (e.g. from each median down to the first quartile and up to the third).
 
     ``highlight`` lists bars drawn in a second colour (e.g. "measured here" among datasheet values).
     ``value_range`` zooms the value axis (e.g. accuracies between 90 and 96%, so that differences and their error
@@ -98,6 +101,10 @@ def bar(
     """
     if len(labels) != len(values) or (errors is not None and len(errors) != len(values)):
         raise ValueError("bar(): labels, values (and errors) must have the same length")
+    if errors is not None and any(isinstance(e, (tuple, list)) for e in errors):
+        if not all(isinstance(e, (tuple, list)) and len(e) == 2 for e in errors):
+            raise ValueError("bar(): errors are all numbers (±) or all (below, above) pairs")
+        errors = [[e[0] for e in errors], [e[1] for e in errors]]  # matplotlib's 2 × N form
     plt = _pyplot()
     from matplotlib.ticker import FuncFormatter, MaxNLocator
 
