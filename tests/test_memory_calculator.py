@@ -105,6 +105,30 @@ def test_plot_stacked_memory_stacks_parts_and_marks_peaks(tmp_path):
     fig.savefig(tmp_path / "stack.png")
 
 
+def test_plot_stacked_memory_peak_labels_stay_over_their_own_bar():
+    """Notebook 05: a label beside the peak line ran into the next bar; it sits above the line, centred."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    bars = {"predicted": {"weights": 2**30, "activations": 6 * 2**30},
+            "measured": {"weights": 2**30, "activations": 6 * 2**30, "cache": 2**30}}
+    peaks = {"predicted": int(6.5 * 2**30), "measured": 8 * 2**30}  # the measured one at the top of its stack
+    fig = memory_calculator.plot_stacked_memory(bars, peaks=peaks, title="anatomy")
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    ax, renderer = fig.axes[0], canvas.get_renderer()
+    to_data = ax.transData.inverted()
+    bar_edges = sorted({round(p.get_x(), 6) for p in ax.patches} | {round(p.get_x() + p.get_width(), 6)
+                                                                   for p in ax.patches})
+    labels = [t for t in ax.texts if t.get_text().startswith("peak ")]
+    assert len(labels) == 2
+    for i, (label, peak) in enumerate(zip(labels, peaks.values(), strict=True)):
+        (x0, y0), (x1, y1) = to_data.transform(label.get_window_extent(renderer).get_points())
+        left, right = bar_edges[2 * i], bar_edges[2 * i + 1]  # this bar's edges
+        assert left <= x0 and x1 <= right, f"{label.get_text()} runs out of its bar ({x0:.2f}–{x1:.2f})"
+        assert y0 >= peak / 2**30, "above the peak line, not across it"
+        assert y1 <= ax.get_ylim()[1], "inside the axes, not over the title"
+
+
 def test_plot_stacked_memory_order_puts_a_part_missing_from_the_first_bar_in_place():
     # Notebook 05: the predicted bar has no "workspace"; without order it would stack above "gradients".
     bars = {"predicted": {"weights": 2**30, "gradients": 2**30},

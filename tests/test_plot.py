@@ -64,6 +64,20 @@ def test_horizontal_bar_ticks_are_few_and_readable():
     assert shown.y0 * fig.dpi <= legend_box.y0 + 1, "the legend must not be cropped off"
 
 
+def test_bar_values_sit_on_white_above_a_reference_line():
+    """Notebook 05: the dashed baseline ran through the value labels of bars that end near it."""
+    fig = plot.bar(["a", "b"], [6.3, 6.6], ylabel="GiB", title="t", horizontal=True, reference=6.6,
+                   reference_label="baseline")
+    ax = fig.axes[0]
+    (line,) = [ln for ln in ax.get_lines() if ln.get_label() == "baseline"]
+    values = [t for t in ax.texts if t.get_text() in ("6.3", "6.6")]
+    assert len(values) == 2
+    for text in values:
+        box = text.get_bbox_patch()
+        assert box is not None and box.get_facecolor()[:3] == (1.0, 1.0, 1.0) and box.get_alpha() in (None, 1.0)
+        assert text.get_zorder() > line.get_zorder()  # drawn after the line: the white box covers it
+
+
 def test_bar_draws_asymmetric_errors():
     """(below, above) pairs: each bar's error line runs from value − below to value + above, e.g. the quartiles."""
     fig = plot.bar(["a", "b"], [10.0, 20.0], ylabel="ms", title="t", errors=[(1.0, 3.0), (2.0, 0.5)])

@@ -283,12 +283,16 @@ def plot_stacked_memory(bars: dict[str, dict[str, int]], *, title: str,
     for i, label in enumerate(labels):
         if peaks and label in peaks:
             ax.hlines(peaks[label] / scale, i - 0.36, i + 0.36, color="black", linewidth=2.2)
-            ax.annotate(f"peak {format_bytes(peaks[label])}", (i + 0.38, peaks[label] / scale), va="center",
-                        fontsize=8)
+            # above the line, centred on its bar (beside it, the text ran into the next bar); a white box keeps it
+            # legible over the parts stacked above the peak
+            ax.annotate(f"peak {format_bytes(peaks[label])}", (i, peaks[label] / scale), xytext=(0, 2),
+                        textcoords="offset points", ha="center", va="bottom", fontsize=8,
+                        bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.85, "pad": 1.0})
     ax.set_ylabel(f"memory ({unit})")
     ax.set_title(title)
     ax.grid(axis="y", alpha=0.3)
     ax.set_xlim(-0.6, len(labels) - 0.1)
+    ax.set_ylim(0, 1.1 * top / scale)  # headroom: a peak label above the highest line stays inside the axes
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
     fig.tight_layout()
     plt.close(fig)
