@@ -105,6 +105,25 @@ def test_curves_draws_each_series():
         plot.curves({"c": ([1, 2], [1])}, xlabel="x", ylabel="y", title="t")
 
 
+def test_curves_legend_outside_leaves_the_axes_clear():
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    series = {f"variant {i}": ([1, 2, 4, 8], [i, i + 1, i + 2, i + 3]) for i in range(4)}
+    boxes = {}
+    for outside in (True, False):
+        fig = plot.curves(series, xlabel="steps", ylabel="s", title="t", logx=True, legend_outside=outside)
+        canvas = FigureCanvasAgg(fig)  # the figure comes back closed: draw it on a canvas of its own
+        canvas.draw()
+        renderer, ax = canvas.get_renderer(), fig.axes[0]
+        boxes[outside] = (ax.get_legend().get_window_extent(renderer), ax.get_window_extent(renderer),
+                          fig.get_tightbbox(renderer).x1 * fig.dpi)  # what Jupyter's inline backend keeps
+    legend_box, axes_box, shown_x1 = boxes[True]
+    assert legend_box.x0 >= axes_box.x1, "the legend must sit right of the axes, not on the lines"
+    assert legend_box.x1 <= shown_x1 + 1, "the legend must not be cropped off"
+    legend_box, axes_box, _ = boxes[False]
+    assert axes_box.x0 <= legend_box.x0 and legend_box.x1 <= axes_box.x1  # the default stays inside
+
+
 def test_curves_second_axis_and_markers():
     fig = plot.curves({"tokens/s": ([1, 2, 4, 8], [1400, 2800, 5500, 9000])}, xlabel="batch", ylabel="tokens/s",
                       title="Sweep", logx=True, logy=True, vlines={"knee": 4},

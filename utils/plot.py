@@ -160,13 +160,16 @@ def curves(
     vlines: Mapping[str, float] | None = None,
     right: Mapping[str, tuple[Sequence[float], Sequence[float]]] | None = None,
     right_label: str | None = None,
+    legend_outside: bool = False,
 ):
     """One line per named (x, y) series, optional log axes and labelled horizontal reference lines.
 
     ``vlines`` marks x positions (e.g. the batch size where a step stops being free). ``right`` draws more series
     against a second y axis on the right (another unit: ms per step beside tokens/s), dashed, labelled
     ``right_label``, on the same kind of scale as the left one. Log axes get plain tick labels
-    ("2,000", "0.5"), minor ones too where a decade has fewer than three major ticks. Returns the Figure.
+    ("2,000", "0.5"), minor ones too where a decade has fewer than three major ticks. ``legend_outside`` puts the
+    legend to the right of the axes (the figure widens for it), where it cannot cover lines that fill the plot.
+    Returns the Figure.
     """
     if not series:
         raise ValueError("curves() needs at least one series")
@@ -175,7 +178,7 @@ def curves(
     plt = _pyplot()
     from matplotlib.ticker import FuncFormatter, LogLocator
 
-    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    fig, ax = plt.subplots(figsize=(10.0 if legend_outside else 7.5, 4.2))
     axes = [(ax, series, "-")] + ([(ax.twinx(), right, "--")] if right else [])
     n = 0
     for axis, group, style in axes:
@@ -203,7 +206,8 @@ def curves(
     ax.set_title(title)
     ax.grid(alpha=0.3, which="both")
     handles = [h for axis, _, _ in axes for h in axis.get_legend_handles_labels()[0]]
-    ax.legend(handles, [h.get_label() for h in handles], fontsize=9)
+    outside = {"loc": "upper left", "bbox_to_anchor": (1.12 if right else 1.01, 1.0), "frameon": False}
+    ax.legend(handles, [h.get_label() for h in handles], fontsize=9, **(outside if legend_outside else {}))
     fig.tight_layout()
     plt.close(fig)
     return fig
