@@ -62,6 +62,7 @@ def test_diagnose_launch_bound_step_names_cuda_graphs():
     d = playbook.diagnose(gpu_profile(1000, [("vectorized_elementwise_kernel", 20, 5.0)]))
     assert d.bound == "launch-bound" and d.share == pytest.approx(0.9)
     assert d.tip.key == "cuda_graphs" and "waits for the host 90%" in str(d)
+    assert d.largest_share == "idle 90% of the step"
 
 
 @pytest.mark.parametrize(("kernels", "kind", "tip"), [
@@ -77,7 +78,30 @@ def test_diagnose_gpu_bound_step_by_the_kind_with_most_time(kernels, kind, tip):
 
 def test_partly_launch_bound_adds_cuda_graphs():
     d = playbook.diagnose(gpu_profile(1000, [("ampere_sgemm_128x64_nn", 1, 650.0)]))
-    assert d.bound == "partly launch-bound" and [t.key for t in d.tips] == ["tf32", "cuda_graphs"]
+    assert d.bound == "partly launch-bound" and [t.key for t in d.tips] == ["tf32", "autocast", "cuda_graphs"]
+    # the idle share is named beside the kernels' share, each with what it is a share of
+    assert "matmul kernels take 100% of the GPU time, and the GPU waits for the host 35% of the step" in str(d)
+    assert d.largest_share == "matmul 100% of the GPU time" and d.idle == pytest.approx(0.35)
+
+
+def test_the_matmul_tip_follows_the_steps_precision():
+    matmuls = [("ampere_sgemm_128x64_nn", 3, 250.0), ("vectorized_elementwise_kernel", 60, 3.0)]
+    assert [t.key for t in playbook.diagnose(gpu_profile(1000, matmuls)).tips] == ["tf32", "autocast"]
+    # a GPU without TF32 (a T4): 16-bit autocast is what speeds fp32 matmuls up
+    assert [t.key for t in playbook.diagnose(gpu_profile(1000, matmuls), tf32=False).tips] == ["autocast"]
+    # under autocast the matmuls already run in 16 bits: TF32 would change nothing
+    amp = playbook.diagnose(gpu_profile(1000, matmuls), amp=torch.bfloat16)
+    assert amp.largest == "matmul" and amp.tips == ()
+    assert str(amp).endswith("→ no tip of this playbook applies: its matmuls already run in bfloat16 under autocast "
+                             "(TF32 changes fp32 matmuls only)")
+    partly = playbook.diagnose(gpu_profile(1000, [("ampere_sgemm_128x64_nn", 1, 650.0)]), amp=torch.float16)
+    assert [t.key for t in partly.tips] == ["cuda_graphs"]
+    idle_first = playbook.diagnose(gpu_profile(1000, [("sm90_xmma_gemm_f32", 1, 320.0), ("bn_fw", 1, 280.0)]),
+                                   amp=torch.bfloat16)
+    assert idle_first.largest == "launch" and "tf32" not in [t.key for t in idle_first.tips]
+    # other kinds do not depend on the precision
+    conv = [("sm90_xmma_fprop_implicit_gemm", 3, 250.0), ("bn_fw_kernel", 5, 40.0)]
+    assert playbook.diagnose(gpu_profile(1000, conv), amp=torch.bfloat16).tip.key == "channels_last"
 
 
 def test_idle_longer_than_any_kind_of_kernel_puts_fewer_launches_first():
@@ -98,6 +122,9 @@ def test_diagnose_on_cpu_names_only_cpu_tips():
     assert overhead.bound == "overhead-bound" and overhead.tip.key == "compile"
     matmul = playbook.diagnose(gpu_profile(1000, [("aten::addmm", 2, 450.0)], on_gpu=False))
     assert matmul.largest == "matmul" and matmul.tips == () and "no tip" in str(matmul)
+    assert "none of them exists on this device" in str(matmul)
+    assert overhead.largest_share == "overhead 80% of the step"
+    assert matmul.largest_share == "matmul 100% of the operator time"
     conv = playbook.diagnose(gpu_profile(1000, [("aten::convolution", 2, 450.0)], on_gpu=False))
     assert [t.key for t in conv.tips] == ["channels_last"]
 
@@ -175,8 +202,14 @@ def test_profile_change_names_a_host_bound_result():
     assert text.startswith("conv kernels 3.18 ms → 2.54 ms per step (1.25× faster); GPU busy 27.5 ms → 15.1 ms, "
                            "110 → 110 kernels; GPU idle 17% → 52% of the step: the GPU work shrank 1.82×, but the "
                            "GPU waits for the host 52% of the step (host-bound"), text
-    same = playbook.profile_change(nhwc, nhwc)
-    assert same.endswith(": the GPU work did not shrink") and "kernels per step" not in same
+    same = playbook.profile_change(nhwc, nhwc, kind="conv")
+    assert same.endswith(": the GPU work did not change") and "(unchanged)" in same and "kernels per step" not in same
+    # under the 5% that counts as a real change: by how much, and which way
+    slightly = gpu_profile(31_500, [("sm90_xmma_fprop_implicit_gemm", 10, 254.0), ("bn_fw", 100, 123.0)])
+    assert playbook.profile_change(nhwc, slightly).endswith(": the GPU work shrank by only 2%")
+    assert playbook.profile_change(slightly, nhwc).endswith(": the GPU work did not shrink (it grew 2%)")
+    near = gpu_profile(31_500, [("sm90_xmma_fprop_implicit_gemm", 10, 255.0), ("bn_fw", 100, 125.6)])
+    assert "conv kernels 2.54 ms → 2.55 ms per step (unchanged)" in playbook.profile_change(nhwc, near, kind="conv")
     cpu = playbook.profile_change(gpu_profile(1000, [("aten::addmm", 2, 400.0)], on_gpu=False),
                                   gpu_profile(600, [("aten::addmm", 2, 100.0)], on_gpu=False))
     assert "operator busy 800 µs → 200 µs" in cpu and "Python and dispatch between operators take 67%" in cpu
@@ -214,11 +247,19 @@ def test_measured_for_names_where_a_tip_was_timed(capsys):
                       label="CUDA graphs · whole step", workload="MLP")
     capsys.readouterr()
     assert findings.measured_for("compile", "MLP") == "torch.compile · MLP: 2.00× slower"  # its own, nothing else
+    # elsewhere: under the workload it was timed on, which its label need not name
     assert findings.measured_for("compile", "Transformer") == (
-        "not timed on Transformer; torch.compile · MLP: 2.00× slower")
-    assert findings.measured_for("tf32", "Transformer") == "not timed on Transformer; TF32 · matmul: 3.00× faster"
+        "not timed on Transformer; on MLP: torch.compile · MLP: 2.00× slower")
+    assert findings.measured_for("tf32", "Transformer") == (
+        "not timed on Transformer; in a benchmark of its own: TF32 · matmul: 3.00× faster")
     assert findings.measured_for("cuda_graphs", "MLP") == (
         "CUDA graphs · partial: 2.00× slower; CUDA graphs · whole step: 3.00× faster")
+    assert findings.measured_for("cuda_graphs", "Transformer") == (
+        "not timed on Transformer; on MLP: CUDA graphs · partial: 2.00× slower; CUDA graphs · whole step: 3.00× "
+        "faster")
+    assert [f.label for f in findings.timed_on("cuda_graphs", "MLP")] == ["CUDA graphs · partial",
+                                                                         "CUDA graphs · whole step"]
+    assert findings.timed_on("compile", "Transformer") == []  # skipped there: nothing timed
     assert findings.measured_for("sdpa", "MLP") == "not timed in this run"
     assert findings["torch.compile · MLP"].workload == "MLP" and findings["TF32 · matmul"].workload is None
     with pytest.raises(KeyError, match="no tip"):

@@ -1,9 +1,12 @@
 """utils.profile: a step's kernels, busy vs idle time, top kernels, the Perfetto trace (CPU here, GPU when present)."""
 
 import json
+import re
+import types
 
 import pytest
 import torch
+from torch.autograd import DeviceType
 
 from utils import profile
 
@@ -211,6 +214,44 @@ def test_op_table_leaves_out_the_ranges():
     table = profile.op_table(prof, row_limit=20)
     assert "aten::mm" in table and "my_range" not in table
     assert "my_range" in prof.key_averages().table()  # what it leaves out
+
+
+def fake_gpu_profile():
+    """What torch.profiler records for one aten::mm inside a record_function range, on a GPU: the range, the
+    operator and the 80 µs kernel it launched, the kernel's time credited to the operator and to the range."""
+    from torch.autograd.profiler_util import EventList, FunctionEvent
+
+    kw = {"use_device": "cuda", "stack": [], "input_shapes": []}
+    rng = FunctionEvent(0, "my_range", 1, 0, 200, is_user_annotation=True, **kw)
+    op = FunctionEvent(1, "aten::mm", 1, 10, 100, **kw)
+    kernel = FunctionEvent(2, "ampere_sgemm_128x64_nn", 1, 20, 100, device_type=DeviceType.CUDA, **kw)
+    for parent in (op, rng):
+        parent.append_kernel("ampere_sgemm_128x64_nn", 0, 80)
+    events = EventList([rng, op, kernel], use_device="cuda")
+    events._build_tree()
+    return types.SimpleNamespace(events=lambda: events, key_averages=events.key_averages)
+
+
+def self_device_shares(table):
+    """The "Self CUDA %" column of a key_averages table, in percent."""
+    lines = table.splitlines()
+    at = re.split(r"\s{2,}", lines[1].strip()).index("Self CUDA %")  # cells are separated by runs of spaces
+    rows = [re.split(r"\s{2,}", line.strip()) for line in lines[3:] if line and not line.startswith(("-", "Self"))]
+    return [float(r[at].rstrip("%")) for r in rows]
+
+
+def test_op_table_kernels_only_counts_each_kernel_once():
+    prof = fake_gpu_profile()
+    both = profile.op_table(prof)
+    assert "aten::mm" in both and "ampere_sgemm" in both and "my_range" not in both
+    assert sum(self_device_shares(both)) == pytest.approx(200.0)  # the operator's row repeats its kernel's time
+    kernels = profile.op_table(prof, kernels_only=True)
+    assert "ampere_sgemm" in kernels and "aten::mm" not in kernels and "my_range" not in kernels
+    assert sum(self_device_shares(kernels)) == pytest.approx(100.0)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as cpu_prof:
+        torch.randn(8, 8) @ torch.randn(8, 8)
+    with pytest.raises(ValueError, match="GPU profile"):
+        profile.op_table(cpu_prof, kernels_only=True)
 
 
 def test_bad_arguments_are_clear_errors():

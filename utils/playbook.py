@@ -11,8 +11,9 @@ a promise held where it was measured; and the profiler reading that says which t
 :func:`diagnose` reads a :class:`utils.profile.StepProfile`: a step whose GPU waits for the host at least half the
 time is *launch-bound* and gains from fewer launches (CUDA graphs, fused optimizers, compile), and so is, partly, a
 step whose idle time outlasts every kind of kernel; otherwise the kind of kernel that takes the most GPU time names
-the tip (convolutions: ``channels_last`` and ``cudnn.benchmark``; matmuls: TF32 or bf16 autocast; attention: a
-fused SDPA backend; elementwise and reductions: ``torch.compile``'s fusion). On a CPU only the tips that exist there
+the tip (convolutions: ``channels_last`` and ``cudnn.benchmark``; fp32 matmuls: TF32 where the GPU has it, else bf16
+or fp16 autocast — none for a step whose matmuls already run in 16 bits under autocast; attention: a fused SDPA
+backend; elementwise and reductions: ``torch.compile``'s fusion). On a CPU only the tips that exist there
 are named. Kernels are put down to ``record_function`` ranges by when the host launched them (:func:`range_totals`),
 which is right for backward too, whose kernels autograd launches from threads of its own.
 """
@@ -71,13 +72,15 @@ TIPS: dict[str, Tip] = {t.key: t for t in (
         "attention", "F.scaled_dot_product_attention(q, k, v, is_causal=True)", True),
     Tip("determinism", "deterministic algorithms", "(beyond the guide) bit-identical runs, at a cost in speed", None,
         "", "torch.use_deterministic_algorithms(True)", True),
+    Tip("autocast", "bf16/fp16 autocast", "(notebook 03) 16-bit matmuls on the tensor cores", None, "matmul",
+        "torch.autocast('cuda', dtype=torch.bfloat16)", False),
 )}
 
 #: The tips that address each bottleneck, best first (what :func:`diagnose` names).
 TIPS_FOR: dict[str, tuple[str, ...]] = {
     "launch": ("cuda_graphs", "fused_optimizer", "compile"),
     "conv": ("channels_last", "cudnn_benchmark"),
-    "matmul": ("tf32",),
+    "matmul": ("tf32", "autocast"),  # for fp32 matmuls; diagnose() drops what the step's precision rules out
     "attention": ("sdpa",),
     "other": ("compile",),
     "overhead": ("compile",),
@@ -129,11 +132,21 @@ class Diagnosis:
     share: float  # the share of the step (idle) or of the busy time (a kind of kernel) it takes
     tips: tuple[Tip, ...]
     on_gpu: bool
+    idle: float = 0.0  # the share of the step the device waits for the host (CPU: time between operators)
+    no_tip: str = "none of them exists on this device"  # why ``tips`` is empty, where it is
 
     @property
     def tip(self) -> Tip | None:
         """The first tip to try, or None."""
         return self.tips[0] if self.tips else None
+
+    @property
+    def largest_share(self) -> str:
+        """The largest item with its share and what the share is of: "idle 96% of the step" (idle time, a share of
+        the step) or "other 79% of the GPU time" (a kind of kernel, a share of the kernels' time)."""
+        if self.largest in ("launch", "overhead"):
+            return f"{'idle' if self.largest == 'launch' else 'overhead'} {self.share:.0%} of the step"
+        return f"{self.largest} {self.share:.0%} of the {'GPU' if self.on_gpu else 'operator'} time"
 
     def __str__(self) -> str:
         longer = ", longer than any kind of kernel runs" if self.share < 0.5 else ""
@@ -141,14 +154,21 @@ class Diagnosis:
                  "overhead": f"Python and dispatch between operators take {self.share:.0%} of the step"}.get(
             self.largest, f"{self.largest} {'kernels' if self.on_gpu else 'operators'} take {self.share:.0%} of "
                           f"the {'GPU' if self.on_gpu else 'operator'} time")
+        if self.bound == "partly launch-bound" and self.largest not in ("launch", "overhead"):
+            where += f", and the GPU waits for the host {self.idle:.0%} of the step"
         if not self.tips:
-            return f"{self.bound}: {where} → no tip of this playbook applies on this device"
+            return f"{self.bound}: {where} → no tip of this playbook applies: {self.no_tip}"
         first, rest = self.tips[0], ", ".join(t.name for t in self.tips[1:])
         return (f"{self.bound}: {where} → try {first.name} ({first.how})" + (f"; also {rest}" if rest else ""))
 
 
-def diagnose(profile: StepProfile) -> Diagnosis:
+def diagnose(profile: StepProfile, *, amp: torch.dtype | None = None, tf32: bool = True) -> Diagnosis:
     """The largest bottleneck of a profiled step and the tips that address it.
+
+    ``amp`` is the 16-bit dtype the step runs under autocast (``torch.bfloat16`` or ``torch.float16``; None for an
+    fp32 step), ``tf32`` whether the GPU has TF32 tensor cores (``utils.env.capabilities(device).tf32``). They
+    decide the tip for matmuls: TF32 changes fp32 matmuls only, so a step under autocast gets no matmul tip (its
+    matmuls already run in 16 bits), and an fp32 step on a GPU without TF32 gets bf16/fp16 autocast.
 
     On a GPU: idle at least half the step → launch-bound (CUDA graphs, fused optimizer, compile). A step idle at
     least a fifth of the time is partly launch-bound: when its idle time is longer than the time of any kind of
@@ -169,29 +189,41 @@ def diagnose(profile: StepProfile) -> Diagnosis:
     largest = max(kinds, key=kinds.get)
     share = kinds[largest] / busy if busy > 0 else 0.0
     idle = profile.idle_fraction
-    if profile.on_gpu:
+    gpu = profile.on_gpu
+
+    def tips(bottleneck: str) -> tuple[str, ...]:
+        keys = TIPS_FOR[bottleneck]
+        if bottleneck == "matmul":  # TF32 for fp32 matmuls where the GPU has it, else 16-bit autocast; none in 16 bits
+            keys = () if amp is not None else tuple(k for k in keys if k != "tf32" or tf32)
+        return tuple(k for k in keys if gpu or TIPS[k].on_cpu)
+
+    no_tip = (f"its matmuls already run in {str(amp).removeprefix('torch.')} under autocast (TF32 changes fp32 "
+              "matmuls only)" if largest == "matmul" and amp is not None else "none of them exists on this device")
+    if gpu:
         if idle >= 0.5:
-            return Diagnosis("launch-bound", "launch", idle, _tips("launch", True), True)
+            return Diagnosis("launch-bound", "launch", idle, _tips(tips("launch")), True, idle)
         if idle >= 0.2 and profile.idle_s >= kinds[largest]:
-            keys = TIPS_FOR["launch"] + tuple(k for k in TIPS_FOR[largest] if k not in TIPS_FOR["launch"])
-            return Diagnosis("partly launch-bound", "launch", idle, tuple(TIPS[k] for k in keys), True)
-        keys = TIPS_FOR[largest] + (("cuda_graphs",) if idle >= 0.2 else ())
+            keys = tips("launch") + tuple(k for k in tips(largest) if k not in TIPS_FOR["launch"])
+            return Diagnosis("partly launch-bound", "launch", idle, _tips(keys), True, idle)
+        keys = tips(largest) + (("cuda_graphs",) if idle >= 0.2 else ())
         bound = "partly launch-bound" if idle >= 0.2 else "GPU-bound"
-        return Diagnosis(bound, largest, share, tuple(TIPS[k] for k in keys), True)
+        return Diagnosis(bound, largest, share, _tips(keys), True, idle, no_tip)
     if idle >= 0.5:
-        return Diagnosis("overhead-bound", "overhead", idle, _tips("overhead", False), False)
-    return Diagnosis("compute-bound", largest, share, _tips(largest, False), False)
+        return Diagnosis("overhead-bound", "overhead", idle, _tips(tips("overhead")), False, idle)
+    return Diagnosis("compute-bound", largest, share, _tips(tips(largest)), False, idle, no_tip)
 
 
-def _tips(bottleneck: str, on_gpu: bool) -> tuple[Tip, ...]:
-    return tuple(TIPS[k] for k in TIPS_FOR[bottleneck] if on_gpu or TIPS[k].on_cpu)
+def _tips(keys: Sequence[str]) -> tuple[Tip, ...]:
+    return tuple(TIPS[k] for k in keys)
 
 
 def profile_change(before: StepProfile, after: StepProfile, *, kind: str | None = None) -> str:
     """What changed between the profiles of two variants of a step, in measured numbers — the time of one class of
     kernels (``kind``: 'conv', 'matmul', 'attention' or 'other'; see :func:`time_by_class`), the device's busy
     time, kernels per step and the idle share — followed by what it means when the second step's device did less
-    work but the step did not follow: it waits for the host (host-bound).
+    work but the step did not follow: it waits for the host (host-bound). A busy time that changed by under 5% is
+    said as it is: "did not change", "shrank by only 2%", "did not shrink (it grew 3%)"; a class of kernels whose
+    time changed by under 0.5% is "(unchanged)".
 
     e.g. "conv kernels 3.18 ms → 2.54 ms per step (1.25× faster); GPU busy 27.5 ms → 15.1 ms, 999 → 927 kernels;
     GPU idle 17% → 52% of the step: the GPU work shrank 1.82×, but the GPU waits for the host 52% of the step
@@ -213,8 +245,8 @@ def profile_change(before: StepProfile, after: StepProfile, *, kind: str | None 
     parts = []
     if kind is not None:
         k0, k1 = time_by_class(before)[kind], time_by_class(after)[kind]
-        ratio = "" if not (k0 > 0 and k1 > 0) else f" ({_ratio(k0 / k1)} faster)" if k0 >= k1 else (
-            f" ({_ratio(k1 / k0)} slower)")
+        ratio = "" if not (k0 > 0 and k1 > 0) else " (unchanged)" if _ratio(k0 / k1) == _ratio(1.0) else (
+            f" ({_ratio(k0 / k1)} faster)" if k0 > k1 else f" ({_ratio(k1 / k0)} slower)")
         parts.append(f"{kind} {'kernels' if gpu else 'operators'} {format_seconds(k0)} → {format_seconds(k1)} per "
                      f"{unit}{ratio}")
     counted = "kernels" if gpu else "operators"
@@ -224,8 +256,11 @@ def profile_change(before: StepProfile, after: StepProfile, *, kind: str | None 
                                if gpu else f"; the rest of the {unit} {before.idle_fraction:.0%} → "
                                            f"{after.idle_fraction:.0%}")
     shrank = before.busy_s / after.busy_s if after.busy_s > 0 else math.inf
-    if shrank < 1.05:
-        return text + f": the {work} work did not shrink"
+    if shrank < 1.05:  # under the 5% that counts as a real difference (utils.bench.MIN_EFFECT)
+        change = after.busy_s / before.busy_s - 1 if before.busy_s > 0 else 0.0
+        return text + (f": the {work} work did not change" if f"{abs(change):.0%}" == "0%" else
+                       f": the {work} work shrank by only {-change:.0%}" if change < 0 else
+                       f": the {work} work did not shrink (it grew {change:.0%})")
     if after.idle_fraction >= 0.2:
         remedy = (" (host-bound: only fewer launches would shorten it further — CUDA graphs, or torch.compile's "
                   "mode=\"reduce-overhead\")") if gpu else ""
@@ -362,22 +397,37 @@ class Findings:
         print(f"{finding.label}: skipped — {reason}")
         return finding
 
-    def measured_for(self, key: str, workload: str) -> str:
-        """What this run timed of tip ``key`` on ``workload``, for a "measured here" column: that workload's own
-        verdicts, each with its label ("torch.compile · MLP: 1.29× faster"); else a clear "not timed on <workload>"
-        followed by what was timed elsewhere, each labelled ("torch.compile · MLP: 1.61× slower"); or "not timed in
-        this run".
+    def timed_on(self, key: str, workload: str) -> list[Finding]:
+        """The timed findings (those with a comparison) of tip ``key`` on ``workload``, in order.
 
         Raises:
             KeyError: for an unknown tip.
         """
         self._tip(key)
-        timed = [f for f in self if f.tip.key == key and f.comparison is not None]
-        own = [f for f in timed if f.workload == workload]
-        labelled = "; ".join(f"{f.label}: {f.measured}" for f in own or timed)
+        return [f for f in self if f.tip.key == key and f.comparison is not None and f.workload == workload]
+
+    def measured_for(self, key: str, workload: str) -> str:
+        """What this run timed of tip ``key`` on ``workload``, for a "measured here" column: that workload's own
+        verdicts, each with its label ("torch.compile · MLP: 1.29× faster"); else a clear "not timed on <workload>"
+        followed by what was timed elsewhere, each under the workload it was timed on ("not timed on ResNet-50;
+        on MLP: torch.compile · MLP: 1.61× slower"; "in a benchmark of its own" for a finding without one); or
+        "not timed in this run".
+
+        Raises:
+            KeyError: for an unknown tip.
+        """
+        own = self.timed_on(key, workload)
         if own:
-            return labelled
-        return f"not timed on {workload}; {labelled}" if timed else "not timed in this run"
+            return "; ".join(f"{f.label}: {f.measured}" for f in own)
+        elsewhere: dict[str | None, list[Finding]] = {}
+        for f in self:
+            if f.tip.key == key and f.comparison is not None:
+                elsewhere.setdefault(f.workload, []).append(f)
+        if not elsewhere:
+            return "not timed in this run"
+        return f"not timed on {workload}; " + "; ".join(
+            ("in a benchmark of its own: " if where is None else f"on {where}: ")
+            + "; ".join(f"{f.label}: {f.measured}" for f in found) for where, found in elsewhere.items())
 
     def __getitem__(self, label: str) -> Finding:
         return self._found[label]

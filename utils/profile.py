@@ -326,17 +326,29 @@ def link_launches(events, trace_start_ns: int) -> dict[int, tuple[str, float]]:
     return links
 
 
-def op_table(prof: profile, *, row_limit: int = 10, max_name_column_width: int = 45) -> str:
+def op_table(prof: profile, *, row_limit: int = 10, max_name_column_width: int = 45,
+             kernels_only: bool = False) -> str:
     """``prof.key_averages().table(...)`` without the rows of ``record_function`` ranges, sorted by the device time
     each row took itself on a GPU profile (by self CPU time otherwise).
 
     A range is drawn on the GPU's timeline around the kernels launched inside it, and the table credits it with
     their time as its "Self CUDA" — time already in those kernels' own rows, so with the ranges the shares add up to
     more than 100%. Ranges whose kernels run on another thread (backward, on autograd's) look empty there instead.
+
+    An operator and its kernels double up the same way: an operator's "Self CUDA" is the time of the kernels it
+    launched, and those kernels have rows of their own, so over all rows "Self CUDA %" adds up to about 200%.
+    ``kernels_only=True`` keeps the device's own rows (kernels, copies, memsets): each device microsecond in one
+    row, the shares adding up to 100% (the CPU columns of those rows are empty). A CPU profile has no such rows.
+
+    Raises:
+        ValueError: for ``kernels_only=True`` on a profile without device rows (a CPU profile).
     """
     on_gpu = any(e.device_type == DeviceType.CUDA for e in prof.events())
+    if kernels_only and not on_gpu:
+        raise ValueError("kernels_only=True needs a GPU profile: a CPU profile has operators only")
     averages = prof.key_averages()
-    averages[:] = [a for a in averages if not getattr(a, "is_user_annotation", False)]
+    averages[:] = [a for a in averages if not getattr(a, "is_user_annotation", False)
+                   and (not kernels_only or a.device_type != DeviceType.CPU)]
     return averages.table(sort_by="self_device_time_total" if on_gpu else "self_cpu_time_total", row_limit=row_limit,
                           max_name_column_width=max_name_column_width)
 
