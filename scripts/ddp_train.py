@@ -12,9 +12,9 @@ per process instead):
 
     plain          the model without DDP: the one-GPU baseline (with several processes: each trains alone, no
                    communication — what sharing the machine costs)
-    ddp            DDP with its defaults (25 MB buckets)
-    bucket_1mb     DDP with 1 MB gradient buckets (more, smaller all-reduces, started earlier)
-    bucket_100mb   DDP with 100 MB buckets (fewer, larger all-reduces, started later)
+    ddp            DDP with its defaults (25 MiB buckets)
+    bucket_1mb     DDP with 1 MiB gradient buckets (more, smaller all-reduces, started earlier)
+    bucket_100mb   DDP with 100 MiB buckets (fewer, larger all-reduces, started later)
     bucket_view    gradient_as_bucket_view=True (gradients live in the buckets: no copy, less memory)
     static_graph   static_graph=True (the graph is the same every step: DDP skips its per-step bookkeeping)
     compress_hook  gradients all-reduced in bf16 (fp16 before Ampere and on CPU kept bf16) by a comm hook
@@ -22,9 +22,10 @@ per process instead):
     accum_no_sync  4 micro-batches per optimizer step, under no_sync() but the last
 
 The variants are timed in turns (``utils.distributed.interleaved_bench``: every round builds each variant afresh
-and times one block of steps), and each is profiled once: its kernels' time split into computation, communication
-not hidden by it, and idle time (``--profile-trace PATH``: rank 0 also saves the Perfetto trace of ``ddp``). Rank 0
-writes everything as JSON (``--result``).
+and times one block of steps; the accumulation variants, of 4 micro-batches per step, get blocks twice as long),
+and after all the rounds each is profiled once: its kernels' time split into computation, communication not hidden
+by it, and idle time (``--profile-trace PATH``: rank 0 also saves the Perfetto trace of ``ddp``). Rank 0 writes
+everything as JSON (``--result``), with the bytes each variant all-reduces per optimizer step.
 """
 
 import copy
@@ -45,7 +46,8 @@ from utils.models import TransformerConfig, TransformerModel
 from utils.profile import profile_steps
 from utils.train import lm_loss, train_step
 
-#: Model sizes: the seed's Transformer (76 M parameters) on GPUs, a tiny one of the same design on CPU.
+#: Model sizes: the seed's Transformer on GPUs, a tiny one of the same design on CPU (the result and the log give
+#: the parameter count).
 CONFIGS = {"seed": TransformerConfig(),
            "tiny": TransformerConfig(vocab_size=512, d_model=64, nhead=4, num_layers=2, dim_feedforward=128)}
 ACCUMULATE = 4  # micro-batches per optimizer step in the accumulation variants
@@ -160,11 +162,23 @@ def parse_variant(spec, default_batch):
     return name, int(batch) if batch else default_batch
 
 
-def measure(ctx, step, trace_path):
+def allreduce_bytes(name, grad_bytes, world_size):
+    """Bytes a variant all-reduces per optimizer step: the fp32 gradient once, half of it in 16 bits with the
+    compression hook, once per micro-batch when accumulating without no_sync; none without DDP or alone (a single
+    rank's all-reduce moves nothing over a link)."""
+    if name == "plain" or world_size < 2:
+        return 0
+    if name == "compress_hook":
+        return grad_bytes // 2
+    return ACCUMULATE * grad_bytes if name == "accum_sync" else grad_bytes
+
+
+def measure(ctx, step, step_s, trace_path):
     """Peak memory since the variant was built, and a profile of three steps: computation, communication (how
-    much of it hidden), the calls of communication kernels per step."""
+    much of it hidden), the calls of communication kernels per step. ``step_s``, the timed step, puts a CPU's
+    operators on the unprofiled step's time scale (``profile_steps``)."""
     peak = torch.cuda.max_memory_allocated(ctx.device) if ctx.device.type == "cuda" else None
-    prof = profile_steps(step, steps=3, warmup=1, device=ctx.device, trace_path=trace_path)
+    prof = profile_steps(step, steps=3, warmup=1, device=ctx.device, step_s=step_s, trace_path=trace_path)
     comm_calls = sum(1 for k in prof.kernels if D.COMMUNICATION.search(k.name)) / prof.steps
     return {"peak_bytes": peak,
             "profile": {**D.communication_overlap(prof.kernels, steps=prof.steps), "busy_s": prof.busy_s,
@@ -196,12 +210,14 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown variants {sorted(unknown)}: choose from {', '.join(VARIANTS)}")
     ctx = D.setup(args.device, timeout_s=args.timeout_s)
-    config = CONFIGS[args.config or ("seed" if on_gpu else "tiny")]
+    config_name = args.config or ("seed" if on_gpu else "tiny")
+    config = CONFIGS[config_name]
     seq = args.seq or (256 if on_gpu else 32)
     rounds = args.rounds or (6 if on_gpu else 3)
     min_run_s = args.min_run_s or (1.5 if on_gpu else 0.3)
     amp_dtype = (torch.bfloat16 if D.native_bf16(ctx.device) else torch.float16) if on_gpu else None
     out = {"world_size": ctx.world_size, "backend": ctx.backend, "batch_per_rank": batch, "seq": seq,
+           "config": config_name,
            "device": torch.cuda.get_device_name(ctx.device) if on_gpu else "cpu", "rounds": rounds,
            "amp": str(amp_dtype).removeprefix("torch.") if amp_dtype else "fp32", "variants": {}}
     try:
@@ -212,6 +228,8 @@ def main() -> None:
             init_state = {k: v.clone() for k, v in TransformerModel(config).state_dict().items()}
         out["parameters"] = sum(v.numel() for v in init_state.values())
         out["grad_bytes"] = 4 * out["parameters"]  # fp32 gradients: what DDP all-reduces every step
+        D.log(ctx, f"the '{config_name}' Transformer: {out['parameters'] / 1e6:,.2f} M parameters, {seq} tokens per "
+                   "sequence")
         data = {b: shard(ctx, b, seq, config.vocab_size, seed=2)[1] for b in sorted({b for _, b in parsed.values()})}
 
         def build(spec):
@@ -227,21 +245,23 @@ def main() -> None:
 
         profiled = set(specs) if args.profile == "all" else set(args.profile.split(","))
 
-        def measured(spec, step):
+        def measured(spec, step, timing):
             if spec not in profiled:
                 return {"peak_bytes": torch.cuda.max_memory_allocated(ctx.device) if on_gpu else None,
                         "profile": None}
             trace = args.profile_trace if spec == "ddp" and ctx.is_main else None
-            return measure(ctx, step, trace)
+            return measure(ctx, step, timing.median_s, trace)
 
+        block_s = {spec: (2 if parsed[spec][0].startswith("accum") else 1) * min_run_s / rounds for spec in specs}
         timings, extras = D.interleaved_bench({spec: (lambda spec=spec: build(spec)) for spec in specs}, ctx,
-                                              rounds=rounds, warmup=3 if on_gpu else 2, block_s=min_run_s / rounds,
+                                              rounds=rounds, warmup=3 if on_gpu else 2, block_s=block_s,
                                               measure=measured)
         for spec in specs:
             name, b = parsed[spec]
             timing = timings[spec]
             entry = {"variant": name, "batch": b, "timing": D.timing_to_dict(timing),
-                     "tokens_per_s": ctx.world_size * b * seq / timing.median_s, **extras[spec]}
+                     "tokens_per_s": ctx.world_size * b * seq / timing.median_s,
+                     "allreduce_bytes": allreduce_bytes(name, out["grad_bytes"], ctx.world_size), **extras[spec]}
             out["variants"][spec] = entry
             D.log(ctx, f"{spec:>16}: {timing.median_s * 1e3:8.2f} ms per step (IQR {timing.iqr_s * 1e3:.2f}, "
                        f"{rounds} rounds), {entry['tokens_per_s']:,.0f} tokens/s over {ctx.world_size} process(es)")

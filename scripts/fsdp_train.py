@@ -5,12 +5,14 @@ budget trained sharded, and a distributed checkpoint saved, reloaded and resumed
 
 1. **Memory.** The same model and batch trained by DDP and by FSDP2 (every encoder layer, the embedding and the
    head sharded as units, then the root): peak allocated memory per GPU over a few steps, the bytes of
-   parameters, gradients and optimizer state each rank holds, and the time per step.
+   parameters, gradients and optimizer state each rank holds, and the time per step; then, once both are timed,
+   a profile of a few steps of each (computation, communication not hidden by it, idle time).
 2. **A model that does not fit** (GPU only): a budget per GPU is emulated with
    ``torch.cuda.set_per_process_memory_fraction``, below what one GPU needs to train the model (parameters,
-   gradients and AdamW's two moments, 16 bytes per parameter) but well above what half of that state needs. Training it
-   on one GPU runs out of memory (each rank tries on its own, no collective involved); sharded over the ranks, it
-   trains.
+   gradients and AdamW's two moments, 16 bytes per parameter) but well above what half of that state needs. The
+   model is the largest of ``TOO_BIG_CANDIDATES`` whose budget fits in half of the GPU's memory (none on a small
+   GPU: the part is skipped, and the result says why). Training it on one GPU runs out of memory (each rank tries
+   on its own, no collective involved); sharded over the ranks, it trains.
 3. **Checkpoint.** Train two steps, save a distributed checkpoint (``torch.distributed.checkpoint``: every rank
    writes its own shards), train two more; then a fresh model with other weights loads the checkpoint and trains
    the same two steps: the losses must match.
@@ -40,24 +42,46 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from utils import distributed as D
 from utils.data import synthetic_tokens
-from utils.models import TransformerConfig, TransformerModel
+from utils.models import TransformerConfig, TransformerModel, count_parameters
 from utils.out_of_memory import is_out_of_memory
+from utils.profile import profile_steps
 from utils.train import lm_loss
 
 # FSDP2 warns that a unit returned a view (a Linear on [B, T, d] does): only an in-place op on it would be wrong,
 # and nothing here modifies a module's output in place.
 warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
 
+#: Model sizes (parameter_count() gives each one's parameters; the results report them).
 CONFIGS = {
     "tiny": TransformerConfig(vocab_size=512, d_model=64, nhead=4, num_layers=2, dim_feedforward=128, dropout=0.0),
-    "seed": TransformerConfig(dropout=0.0),  # 76 M parameters
-    "large": TransformerConfig(d_model=1024, nhead=16, num_layers=8, dim_feedforward=4096, dropout=0.0),  # 0.2 B
-    "xl": TransformerConfig(d_model=2048, nhead=16, num_layers=8, dim_feedforward=8192, dropout=0.0),  # 0.6 B
+    "seed": TransformerConfig(dropout=0.0),
+    "large": TransformerConfig(d_model=1024, nhead=16, num_layers=8, dim_feedforward=4096, dropout=0.0),
+    "xl": TransformerConfig(d_model=2048, nhead=16, num_layers=8, dim_feedforward=8192, dropout=0.0),
 }
 #: The emulated budget per GPU, in bytes per parameter of the model that must not fit: one GPU needs 16 (fp32
 #: parameters and gradients, AdamW's two moments) and more for activations; sharded over two GPUs that state is 8,
 #: and the layers gathered for the moment, their gradients and the activations fit in the 6 left.
 BUDGET_BYTES_PER_PARAM = 14
+#: The models tried for "too big for one GPU", largest first, and the share of the GPU's memory their budget must fit
+#: in (the rest leaves room for the CUDA context and whatever else holds memory on the GPU).
+TOO_BIG_CANDIDATES = ("xl", "large")
+TOO_BIG_SHARE = 0.5
+
+
+def parameter_count(config):
+    """Parameters of a TransformerModel of this config, counted on the meta device (nothing allocated)."""
+    with torch.device("meta"):
+        return count_parameters(TransformerModel(config))
+
+
+def too_big_choice(total_bytes):
+    """(name, parameters, budget bytes) of the largest of TOO_BIG_CANDIDATES whose emulated budget,
+    BUDGET_BYTES_PER_PARAM × its parameters, fits in TOO_BIG_SHARE of a GPU's ``total_bytes``; None if none does."""
+    for name in TOO_BIG_CANDIDATES:
+        params = parameter_count(CONFIGS[name])
+        if BUDGET_BYTES_PER_PARAM * params <= TOO_BIG_SHARE * total_bytes:
+            return name, params, BUDGET_BYTES_PER_PARAM * params
+    return None
 
 
 def shard_model(model, ctx, mp_policy):
@@ -112,22 +136,26 @@ def release(ctx):
 
 
 def memory(ctx, config, batch, seq, min_run_s):
-    """DDP and FSDP2 on the same model and batch: peak memory, state bytes per rank, time per step."""
+    """DDP and FSDP2 on the same model and batch: peak memory, state bytes per rank, time per step; then, after
+    both are timed (a finished profiler session can slow what runs after it), a profile of each."""
     amp_dtype, mp_policy = precision(ctx)
     torch.manual_seed(0)
     init_state = TransformerModel(config).state_dict()
     x, y = batch_for(ctx, 0, batch, seq, config.vocab_size)
-    out = {}
-    for kind in ("ddp", "fsdp"):
+
+    def build(kind):
+        """(model, optimizer, autocast dtype): DDP under autocast, or FSDP2 whose policy casts the parameters."""
         model = TransformerModel(config)
         model.load_state_dict(init_state)
         if kind == "ddp":
             model = DDP(model.to(ctx.device), device_ids=[ctx.local_rank] if ctx.device.type == "cuda" else None)
-            step_amp = amp_dtype
-        else:
-            model = shard_model(model, ctx, mp_policy)
-            step_amp = None  # the mixed-precision policy casts the parameters: no autocast
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+            return model, torch.optim.AdamW(model.parameters(), lr=1e-4), amp_dtype
+        model = shard_model(model, ctx, mp_policy)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-4), None
+
+    out = {"parameters": parameter_count(config)}
+    for kind in ("ddp", "fsdp"):
+        model, optimizer, step_amp = build(kind)
         if ctx.device.type == "cuda":
             torch.cuda.synchronize(ctx.device)
             torch.cuda.reset_peak_memory_stats(ctx.device)
@@ -144,20 +172,39 @@ def memory(ctx, config, batch, seq, min_run_s):
                    + f", {timing.median_s * 1e3:.2f} ms per step")
         del model, optimizer
         release(ctx)
+    for kind in ("ddp", "fsdp"):  # profiled after both are timed
+        model, optimizer, step_amp = build(kind)
+        prof = profile_steps(lambda m=model, o=optimizer, a=step_amp: train_step(m, o, x, y, a), steps=3, warmup=2,
+                             device=ctx.device, step_s=out[kind]["timing"]["median_s"])
+        out[kind]["profile"] = {**D.communication_overlap(prof.kernels, steps=prof.steps), "busy_s": prof.busy_s,
+                                "kernels_per_step": prof.kernels_per_step,
+                                "comm_calls_per_step": sum(1 for k in prof.kernels
+                                                           if D.COMMUNICATION.search(k.name)) / prof.steps}
+        del model, optimizer
+        release(ctx)
     return out
 
 
-def too_big(ctx, config, batch, seq):
-    """Emulate a smaller GPU, show that one GPU cannot train the model and that FSDP2 over the ranks can."""
+def too_big(ctx, batch, seq):
+    """Emulate a smaller GPU, show that one GPU cannot train the model and that FSDP2 over the ranks can; on a GPU
+    too small for any of TOO_BIG_CANDIDATES' budgets, say so instead."""
+    total = torch.cuda.get_device_properties(ctx.device).total_memory
+    choice = too_big_choice(total)
+    if choice is None:
+        smallest = TOO_BIG_CANDIDATES[-1]
+        need = BUDGET_BYTES_PER_PARAM * parameter_count(CONFIGS[smallest])
+        reason = (f"the smallest model tried ('{smallest}') needs a budget of {need / 2**30:.2f} GiB, more than "
+                  f"{TOO_BIG_SHARE:.0%} of this GPU's {total / 2**30:.2f} GiB")
+        D.log(ctx, f"a model too big for one GPU: skipped — {reason}")
+        return {"skipped": reason, "total_bytes": total}
+    name, params, budget = choice
+    config = CONFIGS[name]
     amp_dtype, mp_policy = precision(ctx)
     torch.manual_seed(0)
     cpu_model = TransformerModel(config)
-    params = sum(p.numel() for p in cpu_model.parameters())
-    budget = BUDGET_BYTES_PER_PARAM * params
-    total = torch.cuda.get_device_properties(ctx.device).total_memory
     release(ctx)
     torch.cuda.set_per_process_memory_fraction(budget / total, ctx.device)
-    out = {"parameters": params, "budget_bytes": budget, "total_bytes": total,
+    out = {"config": name, "parameters": params, "budget_bytes": budget, "total_bytes": total,
            "budget_bytes_per_param": BUDGET_BYTES_PER_PARAM}
     x, y = batch_for(ctx, 0, batch, seq, config.vocab_size)
     try:
@@ -180,7 +227,8 @@ def too_big(ctx, config, batch, seq):
         del model, optimizer
         release(ctx)
         dist.barrier()
-        D.log(ctx, f"one GPU, {params / 1e6:,.0f} M parameters, budget {budget / 2**30:.1f} GiB: {out['one_gpu']}")
+        D.log(ctx, f"one GPU, the '{name}' model ({params / 1e6:,.0f} M parameters), budget {budget / 2**30:.2f} GiB: "
+                   f"{out['one_gpu']}")
         torch.cuda.reset_peak_memory_stats(ctx.device)
         model = shard_model(cpu_model, ctx, mp_policy)  # fully_shard moves each unit to the GPU and keeps a shard
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -258,7 +306,7 @@ def main() -> None:
             out["memory"] = memory(ctx, CONFIGS[size], batch, seq, args.min_run_s or (1.0 if on_gpu else 0.2))
             out["memory"]["config"] = size
         if "too_big" in phases and on_gpu:
-            out["too_big"] = too_big(ctx, CONFIGS["xl"], 2, 256)
+            out["too_big"] = too_big(ctx, 2, 256)
         elif "too_big" in phases:
             out["too_big"] = None
             D.log(ctx, "a model too big for one GPU: skipped on CPU — set_per_process_memory_fraction limits the "

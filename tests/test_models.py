@@ -19,6 +19,10 @@ def test_transformer_seed_sizes():
     assert (cfg.vocab_size, cfg.d_model, cfg.nhead, cfg.num_layers) == (50_000, 512, 8, 6)
     with pytest.raises(ValueError, match="divisible"):
         models.TransformerConfig(d_model=100, nhead=8)
+    with torch.device("meta"):  # counted without allocating: what TransformerConfig's docstring says
+        model = models.TransformerModel(cfg)
+    assert round(models.count_parameters(model) / 1e6, 1) == 70.2
+    assert models.count_parameters(model.embedding) + models.count_parameters(model.head) == 51_250_000
 
 
 def test_transformer_shapes_and_causality():

@@ -20,10 +20,11 @@ times work that contains collectives (every rank must make the same number of ca
 does not guarantee), :func:`interleaved_bench` times several variants of a step in turns (so that drift in the
 machine falls on all of them alike), :func:`write_result` hands rank 0's numbers back to the notebook.
 
-Also here: bus bandwidth of an all-reduce, the communication/computation overlap in a profile and what a step's time
-consists of (:func:`step_parts`, :func:`step_difference`), the bytes of model state a rank holds, the link between
-two GPUs as ``nvidia-smi topo -m`` reports it with its specified rate, and :class:`NcclDigest`, which keeps the
-few telling lines of ``NCCL_DEBUG=INFO`` output.
+Also here: bus bandwidth of an all-reduce and what the benchmark's rows say (:func:`allreduce_time_s`,
+:func:`per_call_floor`), the communication/computation overlap in a profile and what a step's time consists of
+(:func:`step_parts`, :func:`step_difference`), DDP's scaling against one GPU (:func:`ddp_scaling`), the bytes of
+model state a rank holds, the link between two GPUs as ``nvidia-smi topo -m`` reports it with its specified rate,
+and :class:`NcclDigest`, which keeps the few telling lines of ``NCCL_DEBUG=INFO`` output.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import contextlib
 import dataclasses
 import datetime
 import gc
+import itertools
 import json
 import math
 import os
@@ -47,7 +49,7 @@ import tempfile
 import threading
 import time
 import timeit
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -464,8 +466,8 @@ def collective_bench(fn: Callable[[], object], ctx: Context, *, label: str, warm
 
 
 def interleaved_bench(builders: dict[str, Callable[[], Callable[[], object]]], ctx: Context, *, rounds: int = 5,
-                      warmup: int = 3, block_s: float = 0.25,
-                      measure: Callable[[str, Callable[[], object]], dict[str, Any]] | None = None,
+                      warmup: int = 3, block_s: float | Mapping[str, float] = 0.25,
+                      measure: Callable[[str, Callable[[], object], Timing], dict[str, Any]] | None = None,
                       ) -> tuple[dict[str, Timing], dict[str, dict[str, Any]]]:
     """Per-call time of several variants of a step (work that may contain collectives), measured in turns.
 
@@ -474,17 +476,23 @@ def interleaved_bench(builders: dict[str, Callable[[], Callable[[], object]]], c
     order rotates from round to round and the variant is released before the next is built, so only one lives at a
     time. Whatever drifts while the rounds run — clocks, the host's other work, the allocator's state — then falls
     on every variant alike instead of on whichever ran last, and the spread over the rounds shows it. The calls per
-    block are fixed in the first round (about ``block_s`` seconds, the largest any rank wants) and the ranks start
-    every block together; median and IQR are over the rounds. On a GPU a garbage collection after each variant
-    returns its memory to the allocator even if part of it hangs in a reference cycle.
+    block are fixed in the first round (about ``block_s`` seconds, the largest any rank wants; ``block_s`` may also
+    map every label to its own, e.g. longer blocks for a variant of long steps) and the ranks start every block
+    together; median and IQR are over the rounds. On a GPU a garbage collection after each variant returns its
+    memory to the allocator even if part of it hangs in a reference cycle.
 
-    ``measure(label, step)``, if given, runs in the last round right after the variant's timed block (every rank
-    calls it: it may profile the step); what it returns is collected per label.
+    ``measure(label, step, timing)``, if given, runs after all the rounds, in a pass of its own: every variant is
+    built once more, warmed up and handed over with its :class:`~utils.bench.Timing` (every rank calls it: it may
+    profile the step). No timed block follows it, so a profiler session there cannot slow what is timed
+    (``utils.profile.profile_steps``: a finished session can slow host-bound code for the rest of the process).
+    What it returns is collected per label.
 
     Returns: ``({label: Timing}, {label: measure's dict})``.
     """
-    if not builders or rounds < 1 or warmup < 0 or block_s <= 0:
-        raise ValueError("interleaved_bench(): need at least one builder, rounds >= 1, warmup >= 0, block_s > 0")
+    blocks = {label: block_s for label in builders} if not isinstance(block_s, Mapping) else dict(block_s)
+    if not builders or rounds < 1 or warmup < 0 or set(blocks) != set(builders) or min(blocks.values()) <= 0:
+        raise ValueError("interleaved_bench(): need at least one builder, rounds >= 1, warmup >= 0 and block_s > 0 "
+                         "(for every label when given per label)")
 
     def sync() -> None:
         if ctx.device.type == "cuda":
@@ -507,15 +515,13 @@ def interleaved_bench(builders: dict[str, Callable[[], Callable[[], object]]], c
                 step()
                 sync()
                 one_call_s = max(_agree(timeit.default_timer() - start, ctx), 1e-7)
-                calls[label] = max(1, math.ceil(block_s / one_call_s))
+                calls[label] = max(1, math.ceil(blocks[label] / one_call_s))
             torch.distributed.barrier()
             start = timeit.default_timer()
             for _ in range(calls[label]):
                 step()
             sync()
             times[label].append((timeit.default_timer() - start) / calls[label])
-            if measure is not None and round_ == rounds - 1:
-                extras[label] = measure(label, step)
             del step
             if ctx.device.type == "cuda":  # its memory goes before the next variant is built, even if in a cycle
                 gc.collect()
@@ -525,6 +531,16 @@ def interleaved_bench(builders: dict[str, Callable[[], Callable[[], object]]], c
         q1, q3 = statistics.quantiles(t, n=4, method="inclusive")[::2] if len(t) >= 2 else (t[0], t[0])
         out[label] = Timing(label=label, median_s=statistics.median(t), iqr_s=q3 - q1, block_times_s=tuple(t),
                             calls_per_block=calls[label], device=str(ctx.device))
+    for label in labels if measure is not None else ():  # after every timed block: profiles slow nothing timed
+        step = builders[label]()
+        for _ in range(warmup):
+            step()
+        sync()
+        torch.distributed.barrier()
+        extras[label] = measure(label, step, out[label])
+        del step
+        if ctx.device.type == "cuda":
+            gc.collect()
     return out, extras
 
 
@@ -593,13 +609,18 @@ class StepParts:
     than communication runs), ``exposed_s`` (only communication runs: the all-reduce that computation does not
     hide, waiting for the slower rank included) and ``idle_s`` (nothing runs: the device waits for the host to
     give it work — Python, the framework's bookkeeping, kernel launches). On a CPU the "kernels" are PyTorch's
-    operators and ``idle_s`` is the time between them."""
+    operators and ``idle_s`` is the time between them.
+
+    ``representative`` is False when the profiled steps did something other than the timed ones (see
+    :func:`step_parts`); then ``why`` says what, and the split is not shown."""
 
     step_s: float
     compute_s: float
     exposed_s: float
     idle_s: float
     on_gpu: bool
+    representative: bool = True
+    why: str = ""
 
     def names(self) -> dict[str, str]:
         if self.on_gpu:
@@ -612,20 +633,50 @@ class StepParts:
     def __str__(self) -> str:
         from utils.bench import format_seconds as fmt
 
+        if not self.representative:
+            return f"step {fmt(self.step_s)}: {self.why}"
         names = self.names()
         return f"step {fmt(self.step_s)}: " + ", ".join(
             f"{names[k]} {fmt(getattr(self, k))} ({getattr(self, k) / self.step_s:.0%})"
             for k in ("compute_s", "exposed_s", "idle_s"))
 
 
-def step_parts(profile: dict[str, float], step_s: float, *, on_gpu: bool) -> StepParts:
+#: How much busier than the timed step its profiled steps may keep the device and still split it (kernels run a
+#: little longer under the profiler); busier than that, the profiled steps did something the timed ones did not.
+BUSY_TOLERANCE = 0.05
+#: Exposed communication beyond this many times what its bytes need on the link (at the bandwidth measured for
+#: messages of that size) is waiting for the other rank, not transfer.
+EXPOSED_LIMIT = 2.0
+
+
+def step_parts(profile: dict[str, float], step_s: float, *, on_gpu: bool,
+               transfer_s: float | None = None) -> StepParts:
     """Split a step of ``step_s`` (timed without the profiler) into computation, exposed communication and idle
     time, from the per-step ``compute_s`` and ``exposed_s`` of :func:`communication_overlap` on its profile. Idle is
-    the rest of the step. The profile and the timing are separate runs: where the profiled steps were busier than
-    the timed step is long, computation and exposed communication keep their proportions and fill the step (idle
-    0), so that the three parts always add up to ``step_s``."""
+    the rest of the step.
+
+    The profile and the timing are separate runs, and under the profiler the ranks can fall out of step: a
+    communication kernel then spins until the lagging rank joins, and counts as exposed communication that the timed
+    steps never had. So the split is marked not representative (and not shown) when the profiled steps kept the
+    device busier than the timed step is long, by more than :data:`BUSY_TOLERANCE`, or when their exposed
+    communication exceeds :data:`EXPOSED_LIMIT` × ``transfer_s``, the time the step's all-reduced bytes need at the
+    measured bandwidth (:func:`allreduce_time_s`; None or 0: not checked). Within the tolerance, a profile busier
+    than the step keeps its proportions and fills the step (idle 0), so that the three parts add up to ``step_s``.
+    """
+    from utils.bench import format_seconds as fmt
+
     compute, exposed = profile["compute_s"], profile["exposed_s"]
     busy = compute + exposed
+    why = None
+    if busy > (1 + BUSY_TOLERANCE) * step_s:
+        why = f"the device was busy {fmt(busy)} per profiled step, more than the whole timed step"
+    elif transfer_s and exposed > EXPOSED_LIMIT * transfer_s:
+        why = (f"{fmt(exposed)} of exposed communication per profiled step, more than {EXPOSED_LIMIT:g}× the "
+               f"{fmt(transfer_s)} its bytes need at the measured bandwidth")
+    if why:
+        why = ("the profiled steps are not representative of the timed step (ranks out of step under the profiler: "
+               f"{why}): split not shown")
+        return StepParts(step_s, compute, exposed, max(0.0, step_s - busy), on_gpu, representative=False, why=why)
     if busy > step_s:
         return StepParts(step_s, compute * step_s / busy, exposed * step_s / busy, 0.0, on_gpu)
     return StepParts(step_s, compute, exposed, step_s - busy, on_gpu)
@@ -635,9 +686,11 @@ def _changes(base: StepParts, other: StepParts) -> dict[str, float]:
     return {k: getattr(other, k) - getattr(base, k) for k in ("idle_s", "exposed_s", "compute_s")}
 
 
-def main_change(base: StepParts, other: StepParts) -> str:
+def main_change(base: StepParts, other: StepParts) -> str | None:
     """The name of the part of the step that moved most in the direction the whole step moved from ``base`` to
-    ``other`` (what made it longer, or shorter)."""
+    ``other`` (what made it longer, or shorter); None when either split is not representative."""
+    if not (base.representative and other.representative):
+        return None
     changes = _changes(base, other)
     longer = other.step_s >= base.step_s
     return base.names()[max(changes, key=lambda k: changes[k] if longer else -changes[k])]
@@ -647,16 +700,132 @@ def step_difference(base: StepParts, other: StepParts) -> str:
     """Where the time went between two steps: 'the step is 2.5 ms longer (13.2 ms → 15.7 ms): GPU idle (waiting
     for the host to issue work) +2.0 ms, communication not hidden by computation (waiting for the other rank
     included) +0.5 ms, computation +0.0 ms — mostly GPU idle (...)': every part's change, largest first, and
-    :func:`main_change` as the cause."""
+    :func:`main_change` as the cause. When either split is not representative, the step's change and why the split
+    is not shown."""
     from utils.bench import format_seconds as fmt
 
+    delta = other.step_s - base.step_s
+    head = (f"the step is {fmt(abs(delta))} {'longer' if delta >= 0 else 'shorter'} ({fmt(base.step_s)} → "
+            f"{fmt(other.step_s)})")
+    unrepresentative = next((p for p in (other, base) if not p.representative), None)
+    if unrepresentative is not None:
+        return f"{head}; {unrepresentative.why}"
     names = base.names()
     changes = _changes(base, other)
     listed = ", ".join(f"{names[k]} {'+' if changes[k] >= 0 else '−'}{fmt(abs(changes[k]))}"
                        for k in sorted(changes, key=lambda k: -abs(changes[k])))
-    delta = other.step_s - base.step_s
-    return (f"the step is {fmt(abs(delta))} {'longer' if delta >= 0 else 'shorter'} ({fmt(base.step_s)} → "
-            f"{fmt(other.step_s)}): {listed} — mostly {main_change(base, other)}")
+    return f"{head}: {listed} — mostly {main_change(base, other)}"
+
+
+def allreduce_time_s(rows: Sequence[dict[str, Any]], nbytes: float, messages: float = 1) -> tuple[float, dict | None]:
+    """Seconds that all-reducing ``nbytes`` in ``messages`` messages of equal size takes at the algorithm bandwidth
+    that ``scripts/allreduce_bench.py`` measured (its ``rows``) for the message size nearest to nbytes / messages
+    (nearest on a log scale: the rows go up ×4), and that row. ``(0.0, None)`` for no bytes.
+
+    Raises:
+        ValueError: without rows to read the bandwidth from.
+    """
+    if nbytes <= 0:
+        return 0.0, None
+    if not rows:
+        raise ValueError("allreduce_time_s(): need the all-reduce benchmark's rows")
+    size = nbytes / max(messages, 1)
+    row = min(rows, key=lambda r: abs(math.log(r["bytes"] / size)))
+    return nbytes / (row["alg_gbps"] * 1e9), row
+
+
+def per_call_floor(rows: Sequence[dict[str, Any]], *, on_gpu: bool = True) -> str:
+    """What the nearly flat time of small all-reduces says, from the rows of ``scripts/allreduce_bench.py``
+    (wall-clock time per call, calls back to back), as a phrase. The smallest message's time is the floor, and the
+    flat region runs up to the largest message that takes at most twice that. A fixed latency before each transfer
+    would add to it: that message would take about the floor plus its transfer time (at the best bandwidth
+    measured; a little less, since that bandwidth and the floor include some of each other). If it takes less than
+    the floor plus half its transfer time, most of the transfer overlapped the floor, which therefore is not a
+    latency before the transfer: on GPUs it is the host's time to issue each call (PyTorch's and NCCL's work), while
+    the GPUs finish the previous one. Otherwise the times are consistent with a fixed cost before each transfer,
+    which a wall-clock timing cannot place on the host or the device. A message faster than the floor itself says
+    only that the times vary by more than the transfer takes.
+
+    Raises:
+        ValueError: for fewer than two rows.
+    """
+    from utils.bench import format_seconds as fmt
+    from utils.memory import format_bytes
+
+    if len(rows) < 2:
+        raise ValueError("per_call_floor(): need at least two message sizes")
+    floor = rows[0]["timing"]["median_s"]
+    end = list(itertools.takewhile(lambda r: r["timing"]["median_s"] <= 2 * floor, rows))[-1]
+    said = f"{fmt(floor)} for {format_bytes(rows[0]['bytes'])}"
+    if end is rows[0]:
+        return (said + f", and {format_bytes(rows[1]['bytes'])} already takes more than twice that: no flat region "
+                "to read a fixed cost per call from")
+    best = max(rows, key=lambda r: r["alg_gbps"])
+    transfer = end["bytes"] / (best["alg_gbps"] * 1e9)
+    took = end["timing"]["median_s"]
+    hidden = floor + transfer - took  # how much of the transfer the floor hid
+    said += (f", at most twice that up to {format_bytes(end['bytes'])}, which takes {fmt(took)}: "
+             f"{fmt(abs(hidden))} {'less' if hidden >= 0 else 'more'} than those {fmt(floor)} plus the "
+             f"{fmt(transfer)} its bytes need at the best bandwidth measured ({best['alg_gbps']:,.3g} GB/s)")
+    if took < floor:
+        return said + (" — less than the floor itself: the times per call vary by more than the transfer takes, so "
+                       "they cannot tell a latency from work per call")
+    if hidden < transfer / 2:
+        return said + (" — consistent with a fixed cost before each transfer, which a wall-clock timing cannot place "
+                       "on the host or the device")
+    if on_gpu:
+        return said + (", so most of the transfer overlapped the fixed cost: it is not a latency of the link before "
+                       "the transfer but the host's time to issue each call (PyTorch's and NCCL's work), during which "
+                       "the GPUs finish the previous one")
+    return said + (", so most of the transfer overlapped the fixed cost: it is work per call beside the transfer "
+                   "(gloo's and PyTorch's), not a latency before it")
+
+
+@dataclass(frozen=True)
+class Scaling:
+    """Data-parallel throughput on ``nproc`` GPUs against one GPU at the same batch per GPU (see
+    :func:`ddp_scaling`): ``speedup`` = throughput on nproc GPUs / throughput on one; ``efficiency`` = speedup /
+    nproc; ``baseline`` the one-GPU step it is against; ``note`` why that one."""
+
+    speedup: float
+    efficiency: float
+    baseline: Timing
+    note: str
+
+
+def ddp_scaling(alone: Timing, beside: Timing, ddp: Timing, nproc: int) -> Scaling:
+    """Throughput of DDP over ``nproc`` GPUs against one GPU at the same batch per GPU: nproc × one GPU's step /
+    DDP's step.
+
+    One GPU's step comes from two timings of the plain model (no DDP): ``alone``, in a launch of its own, and
+    ``beside``, on each GPU of DDP's launch, timed in the same interleaved rounds as ``ddp``. When the two agree
+    within the noise (:func:`utils.bench.compare`), ``alone`` is the baseline. When ``beside`` is faster beyond the
+    noise, the separate launch ran under other conditions than DDP's rounds (clocks, the host's load), and
+    ``beside`` — the same work, timed beside DDP — is the baseline. When ``beside`` is slower, the processes slowed
+    each other by sharing the machine, a real cost of running ``nproc`` of them: ``alone`` stays the baseline, and
+    that cost counts against the scaling. ``note`` says which case it was.
+
+    Raises:
+        ValueError: for fewer than 2 processes.
+    """
+    from utils.bench import compare
+
+    if nproc < 2:
+        raise ValueError(f"ddp_scaling(): scaling needs at least 2 processes, got {nproc}")
+    against = compare(alone, beside)
+    if against.outcome == "faster":
+        baseline = beside
+        note = (f"the one-GPU launch ran {against.speedup:.2f}× slower than the same work timed beside DDP: "
+                "efficiency against the interleaved baseline")
+    elif against.outcome == "slower":
+        baseline = alone
+        note = (f"the plain model ran {1 / against.speedup:.2f}× slower on {nproc} GPUs at once than alone: sharing "
+                "the machine costs that, and it counts against the scaling")
+    else:
+        baseline = alone
+        note = "the plain model alone and beside DDP agree within the noise: efficiency against the one-GPU launch"
+    speedup = nproc * baseline.median_s / ddp.median_s
+    return Scaling(speedup, speedup / nproc, baseline, note)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -759,10 +928,14 @@ def link_between(topology: str, a: int = 0, b: int = 1) -> str | None:
     return row[column] if column < len(row) else None
 
 
-#: NVLink GB/s per link and direction, by the GPU's compute capability (major): NVLink 1 on Pascal; NVLink 2, 3
-#: and 4 on Volta, Ampere and Hopper (25 GB/s per link and direction; e.g. H100/H200 SXM: 18 links, 450 GB/s each
-#: way, "900 GB/s" bidirectional in NVIDIA's datasheets); NVLink 5 on Blackwell (50 GB/s).
-NVLINK_GBPS_PER_LINK = {6: 20.0, 7: 25.0, 8: 25.0, 9: 25.0, 10: 50.0}
+#: NVLink GB/s per link and direction, by the GPU's compute capability (major, minor): NVLink 1 on Pascal's GP100;
+#: NVLink 2 on Volta and Turing, NVLink 3 on the A100, NVLink 4 on Hopper (25 GB/s per link and direction; e.g.
+#: H100/H200 SXM: 18 links, 450 GB/s each way, "900 GB/s" bidirectional in NVIDIA's datasheets); NVLink 5 on
+#: Blackwell's B200 and B300 (50 GB/s). GA102 (sm_86: RTX 3090, RTX A6000, A40) has NVLink 3 links of its own
+#: kind: "four x4 links, with each link providing 14.0625 GB/sec bandwidth in each direction" (NVIDIA Ampere GA102
+#: GPU Architecture whitepaper). Any other GPU: unknown, rather than a generation's rate that may not be its own.
+NVLINK_GBPS_PER_LINK = {(6, 0): 20.0, (7, 0): 25.0, (7, 5): 25.0, (8, 0): 25.0, (8, 6): 14.0625, (9, 0): 25.0,
+                        (10, 0): 50.0, (10, 3): 50.0}
 
 
 def link_spec_gbps(entry: str | None, compute_capability: tuple[int, int] | None,
@@ -775,10 +948,11 @@ def link_spec_gbps(entry: str | None, compute_capability: tuple[int, int] | None
     match = re.fullmatch(r"NV(\d+)", entry)
     if match:
         links = int(match.group(1))
-        per_link = NVLINK_GBPS_PER_LINK.get(compute_capability[0]) if compute_capability else None
+        per_link = NVLINK_GBPS_PER_LINK.get(tuple(compute_capability)) if compute_capability else None
         if per_link is None:
-            return None, f"{links} NVLinks of an unknown generation"
-        return links * per_link, f"{links} NVLinks × {per_link:.0f} GB/s per direction"
+            cc = f"sm_{compute_capability[0]}{compute_capability[1]}" if compute_capability else "this GPU"
+            return None, f"{links} NVLinks; their rate per link is unknown here for {cc}"
+        return links * per_link, f"{links} NVLinks × {per_link:g} GB/s per direction"
     what = TOPOLOGY_LEGEND.get(entry, f"'{entry}'")
     if pcie_gbps:
         return pcie_gbps, f"{what}; bounded by each GPU's PCIe link, {pcie_gbps:.1f} GB/s per direction"
