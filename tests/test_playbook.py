@@ -173,7 +173,10 @@ def test_findings_rows_print_and_chart(capsys):
     assert list(rows[0]) == ["claim", "what the guide promises", "measured here", "holds?"]
     assert rows[1]["holds?"].startswith("no") and rows[2]["holds?"] == "not measured here"
     assert len(findings) == 4 and "compile · MLP" in findings and findings["TF32 matmuls"].holds == "yes"
-    assert isinstance(findings.chart(title="t"), matplotlib.figure.Figure)
+    fig = findings.chart(title="t")
+    assert isinstance(fig, matplotlib.figure.Figure)
+    # a bar within the noise still has a length: its label gives the ratio with the verdict
+    assert [t.get_text() for t in fig.axes[0].texts] == ["3.00× faster", "1.00×, same within the noise"]
 
 
 def test_chart_ticks_under_one_do_not_crowd_a_wide_axis(capsys):
@@ -261,6 +264,11 @@ def test_measured_for_names_where_a_tip_was_timed(capsys):
                                                                          "CUDA graphs · whole step"]
     assert findings.timed_on("compile", "Transformer") == []  # skipped there: nothing timed
     assert findings.measured_for("sdpa", "MLP") == "not timed in this run"
+    # timed, but recorded without a verdict (observed): named as what was seen there, not as "not timed"
+    findings.observed("compile", "1.50× faster (host disturbed)", "unclear: the host was disturbed",
+                      label="torch.compile · ResNet-50", workload="ResNet-50")
+    assert findings.measured_for("compile", "ResNet-50") == "torch.compile · ResNet-50: 1.50× faster (host disturbed)"
+    assert findings.timed_on("compile", "ResNet-50") == []  # no comparison: never read as "did not shorten it"
     assert findings["torch.compile · MLP"].workload == "MLP" and findings["TF32 · matmul"].workload is None
     with pytest.raises(KeyError, match="no tip"):
         findings.measured_for("turbo", "MLP")

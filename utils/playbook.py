@@ -408,15 +408,19 @@ class Findings:
 
     def measured_for(self, key: str, workload: str) -> str:
         """What this run timed of tip ``key`` on ``workload``, for a "measured here" column: that workload's own
-        verdicts, each with its label ("torch.compile · MLP: 1.29× faster"); else a clear "not timed on <workload>"
-        followed by what was timed elsewhere, each under the workload it was timed on ("not timed on ResNet-50;
-        on MLP: torch.compile · MLP: 1.61× slower"; "in a benchmark of its own" for a finding without one); or
-        "not timed in this run".
+        verdicts, each with its label ("torch.compile · MLP: 1.29× faster"), and what was observed of it there
+        without a verdict (a finding recorded with :meth:`observed`, e.g. "torch.compile · ResNet-50: 1.13×
+        (host disturbed)"); else a clear "not timed on <workload>" followed by what was timed elsewhere, each under
+        the workload it was timed on ("not timed on ResNet-50; on MLP: torch.compile · MLP: 1.61× slower"; "in a
+        benchmark of its own" for a finding without one); or "not timed in this run". Skipped findings count as
+        nothing seen.
 
         Raises:
             KeyError: for an unknown tip.
         """
-        own = self.timed_on(key, workload)
+        self._tip(key)
+        own = [f for f in self if f.tip.key == key and f.workload == workload
+               and (f.comparison is not None or not f.holds.startswith("not measured"))]
         if own:
             return "; ".join(f"{f.label}: {f.measured}" for f in own)
         elsewhere: dict[str | None, list[Finding]] = {}
@@ -450,7 +454,8 @@ class Findings:
 
     def chart(self, *, title: str):
         """Speed-up per measured claim on a log axis, each with its noise band (:func:`speedup_band`) and the line
-        of no change; bars coloured by verdict. Returns a closed matplotlib Figure (None when nothing was timed)."""
+        of no change; bars coloured by verdict, each labelled with it (a bar within the noise with its ratio too:
+        "1.17×, same within the noise"). Returns a closed matplotlib Figure (None when nothing was timed)."""
         timed = [f for f in self if f.comparison is not None]
         if not timed:
             return None
@@ -466,9 +471,11 @@ class Findings:
         low = [s - lo for s, (lo, _) in zip(speedups, bands, strict=True)]
         high = [hi - s for s, (_, hi) in zip(speedups, bands, strict=True)]
         ax.errorbar(speedups, list(rows), xerr=[low, high], fmt="none", ecolor="black", capsize=3, linewidth=1)
-        for i, f in enumerate(timed):
-            ax.annotate(f.comparison.short, (max(1.0, bands[i][1]), i), xytext=(4, 0), textcoords="offset points",
-                        va="center", fontsize=8)
+        for i, f in enumerate(timed):  # a grey bar still has a length: its ratio is named beside "same (noise)"
+            c = f.comparison
+            text = c.short if c.outcome != "same" else f"{_ratio(c.speedup)}, same within the noise"
+            ax.annotate(text, (max(1.0, bands[i][1]), i), xytext=(4, 0), textcoords="offset points", va="center",
+                        fontsize=8)
         ax.axvline(1.0, color="black", linewidth=0.8)
         ax.set_xscale("log")
         low_end, high_end = min(0.8, *(lo for lo, _ in bands)) / 1.2, max(1.25, *(hi for _, hi in bands)) * 2.5
