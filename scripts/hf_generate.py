@@ -9,9 +9,9 @@ trees, and a first call that compiles for tens of seconds. Notebook 08 runs this
 ``utils.isolate.run_script`` with a deadline, so that neither a long compile nor a crash in it can stop the
 notebook, and so that the graph trees do not share a process with the notebook's own CUDA graphs. The result JSON
 (written after every step, so a crash or the deadline leaves what was done before): per variant, the first call's
-seconds, the graphs Inductor compiled in it, whether the tokens are the greedy ones, and the timing of a whole
-generation (``utils.bench.Timing`` as a dict) — or the error that stopped it. A two-token generation runs first,
-untimed, so that no variant's first call carries the process's start-up.
+seconds, the graphs Inductor compiled in it and those it loaded from its cache on disk, whether the tokens are the
+greedy ones, and the timing of a whole generation (``utils.bench.Timing`` as a dict) — or the error that stopped it.
+A two-token generation runs first, untimed, so that no variant's first call carries the process's start-up.
 """
 
 import argparse
@@ -43,7 +43,7 @@ def measure(hf_model, prompt, new_tokens, options, reference, label, min_run_s, 
     before = compile_cache.graph_counts()
     first_s, tokens = bench.first_call(generate, device=prompt.device)
     compiled = compile_cache.graph_counts() - before
-    row.update(first_call_s=first_s, graphs_compiled=compiled.compiled,
+    row.update(first_call_s=first_s, graphs_compiled=compiled.compiled, graphs_loaded=compiled.loaded,
                greedy=gpt2.is_greedy(reference, tokens, prompt.shape[1]))
     progress.save()  # a timing that never ends still leaves this
     if row["greedy"]:  # a wrong answer is not worth timing: the notebook fails on it

@@ -88,5 +88,6 @@ def test_hf_generate_script_checks_and_times_both_caches(checkpoint, device):
     for label, row in variants.items():
         assert "error" not in row, f"{label}: {row.get('error')}"
         assert row["greedy"], f"{label}: not the greedy tokens"
+        assert row["graphs_compiled"] >= 0 and row["graphs_loaded"] >= 0, f"{label}: Inductor's graph counts"
         timing = distributed.timing_from_dict(row["timing"])
         assert timing.label == label and timing.median_s > 0 and timing.device.startswith(device)
