@@ -12,7 +12,7 @@ per process instead):
 
     plain          the model without DDP: the one-GPU baseline (with several processes: each trains alone, no
                    communication — what sharing the machine costs)
-    ddp            DDP with its defaults (25 MiB buckets)
+    ddp            DDP with its defaults (buckets closed once they hold 25 MiB)
     bucket_1mb     DDP with 1 MiB gradient buckets (more, smaller all-reduces, started earlier)
     bucket_100mb   DDP with 100 MiB buckets (fewer, larger all-reduces, started later)
     bucket_view    gradient_as_bucket_view=True (gradients live in the buckets: no copy, less memory)

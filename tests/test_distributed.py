@@ -184,7 +184,9 @@ def test_step_parts_not_shown_where_the_profile_does_not_fit_the_timed_step():
         "no bytes on a link (one rank): not checked against them"
     base = _parts(19.4e-3, 12e-3, 0.1e-3)
     sentence = D.step_difference(base, waiting)
-    assert sentence.startswith("the step is 2.3 ms shorter (19.4 ms → 17.1 ms); the profiled steps are not")
+    assert sentence.startswith("the step is 2.3 ms shorter (19.4 ms → 17.1 ms); the 17.1 ms step's profile: the "
+                               "profiled steps are not"), "names which of the two profiles did not fit"
+    assert "the 17.1 ms step's profile" in D.step_difference(waiting, base), "the base's profile, named as well"
     assert "computation" not in sentence, "no split from a profile that does not fit"
     assert D.main_change(base, waiting) is None and D.main_change(waiting, base) is None
     assert D.main_change(base, fine) is not None

@@ -700,8 +700,8 @@ def step_difference(base: StepParts, other: StepParts) -> str:
     """Where the time went between two steps: 'the step is 2.5 ms longer (13.2 ms → 15.7 ms): GPU idle (waiting
     for the host to issue work) +2.0 ms, communication not hidden by computation (waiting for the other rank
     included) +0.5 ms, computation +0.0 ms — mostly GPU idle (...)': every part's change, largest first, and
-    :func:`main_change` as the cause. When either split is not representative, the step's change and why the split
-    is not shown."""
+    :func:`main_change` as the cause. When either split is not representative, the step's change, which of the two
+    steps' profile did not fit (named by its time) and why the split is not shown."""
     from utils.bench import format_seconds as fmt
 
     delta = other.step_s - base.step_s
@@ -709,7 +709,7 @@ def step_difference(base: StepParts, other: StepParts) -> str:
             f"{fmt(other.step_s)})")
     unrepresentative = next((p for p in (other, base) if not p.representative), None)
     if unrepresentative is not None:
-        return f"{head}; {unrepresentative.why}"
+        return f"{head}; the {fmt(unrepresentative.step_s)} step's profile: {unrepresentative.why}"
     names = base.names()
     changes = _changes(base, other)
     listed = ", ".join(f"{names[k]} {'+' if changes[k] >= 0 else '−'}{fmt(abs(changes[k]))}"
