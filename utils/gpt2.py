@@ -426,7 +426,10 @@ class StaticDecoder:
     def rewind(self) -> None:
         """Back to the state the last :meth:`prefill` left: its first new token as the input, at the first new
         position. The prompt's keys and values stay in the cache and the decode steps write the same positions again,
-        so ``rewind(); decode(n)`` repeats the last decode exactly: the decode steps can be timed without the prefill.
+        so ``rewind(); decode(n)`` runs the last decode's steps again from the same state — the same work, which is
+        what lets the decode steps be timed without the prefill. The tokens it makes are the last decode's up to the
+        decoder's run-to-run variation: a kernel whose reduction order varies between runs can flip a near-tie of
+        the two best logits (notebook 08's ``check_rewound`` reports where the sequences part).
 
         Raises:
             RuntimeError: before any prefill.
