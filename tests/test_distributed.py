@@ -223,7 +223,11 @@ def test_per_call_floor_tells_host_work_from_a_latency():
     assert "5.25 µs more than those 10 µs plus the 3.75 µs" in slower and "consistent with a fixed cost" in slower
     assert "gloo" in D.per_call_floor(_rows(H200_ALLREDUCE_US), on_gpu=False)
     noisy = D.per_call_floor(_rows([415.0, 760.0, 329.0, 900.0, 2000.0]))  # gloo on 2 busy cores
-    assert "less than the floor itself" in noisy and "cannot tell" in noisy
+    assert "less than the floor itself" in noisy and "cannot tell" in noisy and " but " not in noisy
+    # the second 2 × H200 run: 1 MiB and 4 MiB faster than 1 KiB, so 16 MiB's 75 µs reads nothing about a latency
+    dip = D.per_call_floor(_rows([44.1, 56.1, 51.7, 54.1, 61.3, 32.1, 33.9, 75.0, 250.3, 901.7, 3306.2]))
+    assert "up to 16.00 MiB" in dip and "but 1.00 MiB took 32.1 µs, less than the floor itself" in dip
+    assert "cannot tell" in dip and "consistent with a fixed cost" not in dip
     with pytest.raises(ValueError):
         D.per_call_floor(_rows([10.0]))
 

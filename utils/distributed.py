@@ -743,8 +743,9 @@ def per_call_floor(rows: Sequence[dict[str, Any]], *, on_gpu: bool = True) -> st
     the floor plus half its transfer time, most of the transfer overlapped the floor, which therefore is not a
     latency before the transfer: on GPUs it is the host's time to issue each call (PyTorch's and NCCL's work), while
     the GPUs finish the previous one. Otherwise the times are consistent with a fixed cost before each transfer,
-    which a wall-clock timing cannot place on the host or the device. A message faster than the floor itself says
-    only that the times vary by more than the transfer takes.
+    which a wall-clock timing cannot place on the host or the device. A message of the flat region faster than the
+    floor itself (the last one or any before it) says only that the cost per call is not one fixed amount: no fixed
+    cost fits both times, and the rows cannot tell a latency from work per call.
 
     Raises:
         ValueError: for fewer than two rows.
@@ -755,7 +756,8 @@ def per_call_floor(rows: Sequence[dict[str, Any]], *, on_gpu: bool = True) -> st
     if len(rows) < 2:
         raise ValueError("per_call_floor(): need at least two message sizes")
     floor = rows[0]["timing"]["median_s"]
-    end = list(itertools.takewhile(lambda r: r["timing"]["median_s"] <= 2 * floor, rows))[-1]
+    flat = list(itertools.takewhile(lambda r: r["timing"]["median_s"] <= 2 * floor, rows))
+    end = flat[-1]
     said = f"{fmt(floor)} for {format_bytes(rows[0]['bytes'])}"
     if end is rows[0]:
         return (said + f", and {format_bytes(rows[1]['bytes'])} already takes more than twice that: no flat region "
@@ -767,9 +769,13 @@ def per_call_floor(rows: Sequence[dict[str, Any]], *, on_gpu: bool = True) -> st
     said += (f", at most twice that up to {format_bytes(end['bytes'])}, which takes {fmt(took)}: "
              f"{fmt(abs(hidden))} {'less' if hidden >= 0 else 'more'} than those {fmt(floor)} plus the "
              f"{fmt(transfer)} its bytes need at the best bandwidth measured ({best['alg_gbps']:,.3g} GB/s)")
-    if took < floor:
-        return said + (" — less than the floor itself: the times per call vary by more than the transfer takes, so "
-                       "they cannot tell a latency from work per call")
+    fastest = min(flat[1:], key=lambda r: r["timing"]["median_s"])  # a message of the flat region below the floor
+    if fastest["timing"]["median_s"] < floor:
+        which = ("" if fastest is end else
+                 f" but {format_bytes(fastest['bytes'])} took {fmt(fastest['timing']['median_s'])},")
+        return said + (f" —{which} less than the floor itself: no fixed cost per call fits both times (the cost per "
+                       "call varies from one size to the next), so these times cannot tell a latency before the "
+                       "transfer from work per call")
     if hidden < transfer / 2:
         return said + (" — consistent with a fixed cost before each transfer, which a wall-clock timing cannot place "
                        "on the host or the device")
