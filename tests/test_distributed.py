@@ -15,7 +15,12 @@ import torch
 from utils import distributed as D
 from utils.bench import Timing
 
-needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+
+def needs_two_gpus(test):
+    """Skipped below two GPUs; marked multi_gpu, which .ci/gpu-run's parallel mode runs with every GPU visible."""
+    return pytest.mark.multi_gpu(pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")(test))
+
+
 CPU = ["--device", "cpu", "--timeout-s", "30"]
 
 
@@ -544,3 +549,11 @@ def test_mismatched_collective_times_out_under_nccl_within_seconds():
                  extra_env=D.FAIL_FAST_NCCL_ENV)
     assert not isinstance(err.value, D.LaunchTimeout)
     assert time.perf_counter() - start < 45, "the watchdog should end the run within seconds of the timeout"
+
+
+def test_the_two_gpu_tests_carry_the_multi_gpu_marker():
+    marked = [f for name, f in globals().items() if name.startswith("test_")
+              and any(m.name == "multi_gpu" for m in getattr(f, "pytestmark", []))]
+    assert len(marked) >= 5
+    assert all(any(m.name == "skipif" for m in f.pytestmark) for f in marked)
+    assert "multi_gpu:" in (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()

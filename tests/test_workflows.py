@@ -142,6 +142,26 @@ def test_gpu_run_collects_only_the_notebooks_it_executed(tmp_path):
     assert (repo / "build" / "gpu-run" / "notebooks" / "00_install_check.ipynb").exists()
 
 
+def test_gpu_run_parallel_mode_hands_the_notebooks_to_the_queue(tmp_path):
+    """PARALLEL=1 bash .ci/gpu-run: the notebooks (a directory expanded) and the unit tests go to
+    tools.parallel_nbmake, and no machine.json is written (its timings are not for --stamp-executed)."""
+    if shutil.which("git") is None or shutil.which("tar") is None:
+        pytest.skip("needs git and tar")
+    repo = _checkout_with_gpu_run(tmp_path, {"notebooks/00_a.ipynb": "{}\n", "notebooks/10_b.ipynb": "{}\n"})
+    log = tmp_path / "calls.txt"
+    fake = tmp_path / "python"  # says CUDA is there, logs what it is asked
+    fake.write_text(f'#!/bin/sh\necho "$*" >> {log}\nexit 0\n')
+    fake.chmod(0o755)
+    result = subprocess.run(["bash", str(repo / ".ci" / "gpu-run")], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PYTHON": str(fake), "PARALLEL": "1", "CELL_TIMEOUT": "99"})
+    assert result.returncode == 0, result.stderr
+    calls = log.read_text().splitlines()
+    assert not any("--write-machine" in c or c.startswith("-m pytest") for c in calls)
+    queued = [c for c in calls if c.startswith("-m tools.parallel_nbmake")]
+    assert queued == ["-m tools.parallel_nbmake --cell-timeout 99 --logs logs --unit-tests "
+                      "notebooks/00_a.ipynb notebooks/10_b.ipynb"]
+
+
 def test_gpu_run_copies_what_git_tracks_or_would_track(tmp_path):
     """A checkout whose index is stale (a working tree copied to a GPU machine with an older .git) still brings its
     new files: untracked ones that git does not ignore are copied too; ignored ones and deleted tracked ones are not."""
