@@ -72,7 +72,7 @@ def uses_all_gpus(notebook: Path) -> bool:
 def plan(notebooks: Sequence[Path], *, cell_timeout: int, unit_tests: bool) -> tuple[list[Job], list[Job]]:
     """The jobs of the one-GPU phase and of the all-GPU phase, in the order they start.
 
-    The unit tests (the longest job) go first, so that they do not finish last on a GPU of their own; with
+    The unit tests (one of the longest jobs) go first, so that they do not start last; with
     pytest-xdist installed they run in four processes on their GPU.
     """
     nbmake = ["--nbmake", f"--nbmake-timeout={cell_timeout}", "--overwrite"]
