@@ -557,3 +557,55 @@ def test_the_two_gpu_tests_carry_the_multi_gpu_marker():
     assert len(marked) >= 5
     assert all(any(m.name == "skipif" for m in f.pytestmark) for f in marked)
     assert "multi_gpu:" in (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+
+
+def test_main_change_names_a_part_only_when_it_dominates():
+    # notebook 10's 2 × H200 run, DDP at 128 per GPU, one GPU → two: computation +456 µs, exposed communication
+    # +437 µs, idle −207 µs — neither of the two that grew dominates
+    one = D.StepParts(46.73e-3, 45.0e-3, 0.0, 1.73e-3, on_gpu=True)
+    two = D.StepParts(47.415e-3, 45.456e-3, 0.437e-3, 1.522e-3, on_gpu=True)
+    assert D.main_change(one, two) is None
+    sentence = D.step_difference(one, two)
+    assert "mostly" not in sentence and "no part dominates" in sentence
+    assert sentence.endswith("split between computation and communication not hidden by computation (waiting for "
+                             "the other rank included)")
+    # just over twice the next part's change a part is named; just under, not
+    base = D.StepParts(10e-3, 8e-3, 0.0, 2e-3, on_gpu=True)
+    assert D.main_change(base, D.StepParts(13.1e-3, 10.1e-3, 1e-3, 2e-3, on_gpu=True)) == "computation"
+    assert D.main_change(base, D.StepParts(12.9e-3, 9.9e-3, 1e-3, 2e-3, on_gpu=True)) is None
+    # a part that moved against the step does not stop the one that moved with it from dominating (DDP at 32 per
+    # GPU in that run: idle −1.14 ms, communication +611 µs, computation +226 µs, the step 307 µs shorter)
+    shorter = D.StepParts(20.95e-3, 15.0e-3, 0.5e-3, 5.45e-3, on_gpu=True)
+    after = D.StepParts(20.643e-3, 15.226e-3, 1.111e-3, 4.306e-3, on_gpu=True)
+    assert D.main_change(shorter, after).startswith("GPU idle")
+    assert D.step_difference(shorter, after).endswith("— mostly GPU idle (waiting for the host to issue work)")
+    # the whole change within the noise: no part named, even a dominant one
+    assert D.main_change(shorter, after, within_noise=True) is None
+    quiet = D.step_difference(shorter, after, within_noise=True)
+    assert "mostly" not in quiet and quiet.endswith("within the noise: no part is named as its cause")
+    assert quiet.startswith("the step is 307 µs shorter") and "GPU idle (waiting for the host to issue work) −1.14 ms" \
+        in quiet
+
+
+def test_efficiency_difference_accounts_for_the_spread():
+    # notebook 10's 2 × H200 run: 96% at 128 per GPU, 90% at 32, where the one-GPU step had an IQR of 5.37 ms
+    big = D.ddp_scaling(_timing("alone", 45.38, 0.22), _timing("beside", 45.37, 0.01), _timing("ddp", 47.41, 0.35), 2)
+    small = D.ddp_scaling(_timing("alone", 18.51, 5.37), _timing("beside", 17.06, 1.65), _timing("ddp", 20.64, 2.0), 2)
+    assert round(big.efficiency, 2) == 0.96 and round(small.efficiency, 2) == 0.90
+    assert math.isclose(big.efficiency_range[0], 45.27 / 47.585) and math.isclose(big.efficiency_range[1],
+                                                                                  45.49 / 47.235)
+    low, high = small.efficiency_range
+    assert low < small.efficiency < high and low < 0.75 and high > 1.05, "a wide spread: a wide range"
+    outcome, why = D.efficiency_difference(big, small)
+    assert outcome == "same" and "overlap" in why
+    # the same medians with tight timings: the difference is real, either way round
+    tight_big = D.ddp_scaling(_timing("a", 45.38, 0.1), _timing("b", 45.38, 0.1), _timing("d", 47.41, 0.1), 2)
+    tight_small = D.ddp_scaling(_timing("a", 18.51, 0.1), _timing("b", 18.51, 0.1), _timing("d", 20.64, 0.1), 2)
+    assert D.efficiency_difference(tight_big, tight_small) == ("higher", "")
+    assert D.efficiency_difference(tight_small, tight_big) == ("lower", "")
+    # ranges apart, but under 5 points between the efficiencies: not called a difference
+    near = D.ddp_scaling(_timing("a", 10.0, 0.01), _timing("b", 10.0, 0.01), _timing("d", 10.7, 0.01), 2)
+    assert near.efficiency_range[1] < tight_big.efficiency_range[0]
+    outcome, why = D.efficiency_difference(tight_big, near)
+    assert outcome == "same" and "under 5 points" in why
+    assert D.efficiency_difference(tight_big, near, min_points=0.01)[0] == "higher"

@@ -187,6 +187,18 @@ def test_readme_tables_render_headlines_and_one_column_per_gpu(tmp_path):
     assert "old" not in text and text.startswith("intro\n")
 
 
+def test_headline_names_how_many_reference_gpus_a_notebook_used():
+    figures = {"allreduce_busbw_gbps": 324.8, "ddp_scaling_2gpu": 1.914, "fsdp_peak_mem_ratio_vs_ddp": 0.5706}
+    line = readme_tables.headline("10_multi_gpu", {k: {"value": v, "unit": ""} for k, v in figures.items()})
+    assert line == "on 2 × H200: all-reduce 325 GB/s bus · DDP 2 GPUs 1.91× · FSDP2 peak memory 0.57× DDP"
+    assert readme_tables.headline("10_multi_gpu", {}) == "not yet run on the reference GPU"
+    assert readme_tables.headline("10_multi_gpu", {"x": {"value": 1.0, "unit": ""}}).startswith("on 2 × H200: (figure")
+    one = readme_tables.headline("03_mixed_precision", {"step_ms_fp32": {"value": 59.0, "unit": "ms"},
+                                                         "step_ms_bf16": {"value": 14.0, "unit": "ms"}})
+    assert one == "step 59 ms fp32 → 14 ms bf16", "a notebook on one GPU: no count"
+    assert set(readme_tables.REFERENCE_GPUS_USED) <= set(readme_tables.NOTEBOOKS)
+
+
 def test_readme_tables_need_their_markers():
     with pytest.raises(ValueError, match="markers"):
         readme_tables.render("no markers here")
@@ -194,6 +206,7 @@ def test_readme_tables_need_their_markers():
 
 def test_headline_for_a_notebook_not_yet_run():
     assert readme_tables.headline("00_install_check", None) == "not yet run on the reference GPU"
+    assert readme_tables.headline("10_multi_gpu", None) == "not yet run on the reference GPU"
     with pytest.raises(KeyError, match="add '77_unknown'"):
         readme_tables.headline("77_unknown", {})
 

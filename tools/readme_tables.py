@@ -23,6 +23,8 @@ from utils.results import reference_results
 README = course.ROOT / "README.md"
 RESULTS_DIR = course.ROOT / "results"
 REFERENCE_GPU = "h200"  # the slug of the GPU whose figures the notebook table shows
+#: Notebooks that run on several reference GPUs at once, and how many (notebook 10's NPROC): their headline says so.
+REFERENCE_GPUS_USED: dict[str, int] = {"10_multi_gpu": 2}
 
 # What each notebook teaches in a phrase, and its headline: a format string over its recorded figures.
 NOTEBOOKS: dict[str, tuple[str, str]] = {
@@ -100,10 +102,12 @@ def headline(stem: str, figures: dict[str, dict[str, object]] | None) -> str:
     if not figures:
         return "not yet run on the reference GPU"
     values = {name: fig["value"] for name, fig in figures.items()}
+    gpus = REFERENCE_GPUS_USED.get(stem, 1)
+    on = f"on {gpus} × {REFERENCE_GPU.upper()}: " if gpus > 1 else ""
     try:
-        return NOTEBOOKS[stem][1].format(**values)
+        return on + NOTEBOOKS[stem][1].format(**values)
     except KeyError as missing:
-        return f"(figure {missing} not recorded)"
+        return f"{on}(figure {missing} not recorded)"
 
 
 def notebooks_table(results: dict) -> str:

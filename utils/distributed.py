@@ -22,9 +22,10 @@ machine falls on all of them alike), :func:`write_result` hands rank 0's numbers
 
 Also here: bus bandwidth of an all-reduce and what the benchmark's rows say (:func:`allreduce_time_s`,
 :func:`per_call_floor`), the communication/computation overlap in a profile and what a step's time consists of
-(:func:`step_parts`, :func:`step_difference`), DDP's scaling against one GPU (:func:`ddp_scaling`), the bytes of
-model state a rank holds, the link between two GPUs as ``nvidia-smi topo -m`` reports it with its specified rate,
-and :class:`NcclDigest`, which keeps the few telling lines of ``NCCL_DEBUG=INFO`` output.
+(:func:`step_parts`, :func:`step_difference`), DDP's scaling against one GPU (:func:`ddp_scaling`,
+:func:`efficiency_difference`), the bytes of model state a rank holds, the link between two GPUs as ``nvidia-smi
+topo -m`` reports it with its specified rate, and :class:`NcclDigest`, which keeps the few telling lines of
+``NCCL_DEBUG=INFO`` output.
 """
 
 from __future__ import annotations
@@ -686,22 +687,43 @@ def _changes(base: StepParts, other: StepParts) -> dict[str, float]:
     return {k: getattr(other, k) - getattr(base, k) for k in ("idle_s", "exposed_s", "compute_s")}
 
 
-def main_change(base: StepParts, other: StepParts) -> str | None:
+#: A part of the step is named as what moved it only when its change, in the direction the whole step moved, is at
+#: least this many times the next part's in that direction; otherwise the change is split between them.
+DOMINANT = 2.0
+
+
+def _moved_most(base: StepParts, other: StepParts) -> list[str]:
+    """The parts (keys of :func:`_changes`) by how far they moved in the direction the whole step moved, most
+    first."""
+    changes = _changes(base, other)
+    sign = 1.0 if other.step_s >= base.step_s else -1.0
+    return sorted(changes, key=lambda k: -sign * changes[k])
+
+
+def main_change(base: StepParts, other: StepParts, *, within_noise: bool = False) -> str | None:
     """The name of the part of the step that moved most in the direction the whole step moved from ``base`` to
-    ``other`` (what made it longer, or shorter); None when either split is not representative."""
-    if not (base.representative and other.representative):
+    ``other`` (what made it longer, or shorter), when it clearly dominates: its change in that direction is at least
+    :data:`DOMINANT` × the next part's. None when no part dominates (the change is split), when either split is not
+    representative, or when ``within_noise`` — the caller's comparison of the two steps' timings found no difference
+    beyond the noise, so no part's share of that difference is a cause to name."""
+    if within_noise or not (base.representative and other.representative):
         return None
     changes = _changes(base, other)
-    longer = other.step_s >= base.step_s
-    return base.names()[max(changes, key=lambda k: changes[k] if longer else -changes[k])]
+    sign = 1.0 if other.step_s >= base.step_s else -1.0
+    first, second = _moved_most(base, other)[:2]
+    if sign * changes[first] <= 0 or sign * changes[first] < DOMINANT * max(sign * changes[second], 0.0):
+        return None
+    return base.names()[first]
 
 
-def step_difference(base: StepParts, other: StepParts) -> str:
+def step_difference(base: StepParts, other: StepParts, *, within_noise: bool = False) -> str:
     """Where the time went between two steps: 'the step is 2.5 ms longer (13.2 ms → 15.7 ms): GPU idle (waiting
     for the host to issue work) +2.0 ms, communication not hidden by computation (waiting for the other rank
-    included) +0.5 ms, computation +0.0 ms — mostly GPU idle (...)': every part's change, largest first, and
-    :func:`main_change` as the cause. When either split is not representative, the step's change, which of the two
-    steps' profile did not fit (named by its time) and why the split is not shown."""
+    included) +0.5 ms, computation +0.0 ms — mostly GPU idle (...)': every part's change, largest first, then
+    :func:`main_change` as the cause — or, where no part dominates, the two that moved most in the step's direction
+    ('split between …'), and where ``within_noise`` (the two steps' timings differ by no more than the noise), no
+    cause at all. When either split is not representative, the step's change, which of the two steps' profile did
+    not fit (named by its time) and why the split is not shown."""
     from utils.bench import format_seconds as fmt
 
     delta = other.step_s - base.step_s
@@ -714,7 +736,14 @@ def step_difference(base: StepParts, other: StepParts) -> str:
     changes = _changes(base, other)
     listed = ", ".join(f"{names[k]} {'+' if changes[k] >= 0 else '−'}{fmt(abs(changes[k]))}"
                        for k in sorted(changes, key=lambda k: -abs(changes[k])))
-    return f"{head}: {listed} — mostly {main_change(base, other)}"
+    if within_noise:
+        return f"{head}: {listed} — the step's change is within the noise: no part is named as its cause"
+    main = main_change(base, other)
+    if main is not None:
+        return f"{head}: {listed} — mostly {main}"
+    first, second = _moved_most(base, other)[:2]
+    return (f"{head}: {listed} — no part dominates (in the step's direction, the largest change is under "
+            f"{DOMINANT:g}× the next): split between {names[first]} and {names[second]}")
 
 
 def allreduce_time_s(rows: Sequence[dict[str, Any]], nbytes: float, messages: float = 1) -> tuple[float, dict | None]:
@@ -791,12 +820,15 @@ def per_call_floor(rows: Sequence[dict[str, Any]], *, on_gpu: bool = True) -> st
 class Scaling:
     """Data-parallel throughput on ``nproc`` GPUs against one GPU at the same batch per GPU (see
     :func:`ddp_scaling`): ``speedup`` = throughput on nproc GPUs / throughput on one; ``efficiency`` = speedup /
-    nproc; ``baseline`` the one-GPU step it is against; ``note`` why that one."""
+    nproc; ``baseline`` the one-GPU step it is against; ``note`` why that one; ``efficiency_range`` the lowest and
+    highest efficiency the two timings' quartiles allow (the baseline's first quartile over DDP's third, its third
+    over DDP's first): how far the spread of the timings leaves the efficiency uncertain."""
 
     speedup: float
     efficiency: float
     baseline: Timing
     note: str
+    efficiency_range: tuple[float, float]
 
 
 def ddp_scaling(alone: Timing, beside: Timing, ddp: Timing, nproc: int) -> Scaling:
@@ -831,7 +863,24 @@ def ddp_scaling(alone: Timing, beside: Timing, ddp: Timing, nproc: int) -> Scali
         baseline = alone
         note = "the plain model alone and beside DDP agree within the noise: efficiency against the one-GPU launch"
     speedup = nproc * baseline.median_s / ddp.median_s
-    return Scaling(speedup, speedup / nproc, baseline, note)
+    (b1, b3), (d1, d3) = baseline.quartiles_s, ddp.quartiles_s
+    return Scaling(speedup, speedup / nproc, baseline, note, (b1 / d3, b3 / d1))
+
+
+def efficiency_difference(a: Scaling, b: Scaling, *, min_points: float | None = None) -> tuple[str, str]:
+    """Whether ``a`` scaled better ("higher") or worse ("lower") than ``b`` beyond the noise, or neither ("same"),
+    and why not, for "same": only when their :attr:`Scaling.efficiency_range` do not overlap *and* the efficiencies
+    differ by at least ``min_points`` (a fraction; default :data:`utils.bench.MIN_EFFECT`, 5 points) is the
+    difference real — the rule :func:`utils.bench.compare` applies to two timings."""
+    from utils.bench import MIN_EFFECT
+
+    min_points = MIN_EFFECT if min_points is None else min_points
+    (a_low, a_high), (b_low, b_high) = a.efficiency_range, b.efficiency_range
+    if a_high < b_low or b_high < a_low:
+        if abs(a.efficiency - b.efficiency) >= min_points:
+            return ("higher" if a.efficiency > b.efficiency else "lower"), ""
+        return "same", f"their ranges are apart, but the efficiencies differ by under {min_points * 100:.0f} points"
+    return "same", "their ranges overlap"
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
