@@ -38,6 +38,12 @@ def _notebook(path: Path, all_gpus: bool = False) -> Path:
     return path
 
 
+@pytest.fixture(autouse=True)
+def all_gpus_visible(monkeypatch):
+    """These tests run inside a parallel run too, where their own job sees one GPU: start from none named."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+
+
 @pytest.fixture
 def fake(tmp_path):
     log = tmp_path / "calls.jsonl"
@@ -89,6 +95,28 @@ def test_one_job_per_gpu_at_a_time_then_the_all_gpu_jobs_on_every_gpu(tmp_path, 
     assert len(alls) == 2 and min(r["start"] for r in alls) >= max(r["end"] for r in singles)
     assert all(line.startswith("[GPU ") and "passed in" in line for line in lines)
     assert (tmp_path / "logs" / "unit_tests.log").read_text().startswith("fake pytest output for tests")
+
+
+def test_a_run_limited_to_some_gpus_stays_on_them(tmp_path, fake, monkeypatch):
+    python, calls = fake
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2, 3")
+    nbs = [_notebook(tmp_path / f"0{i}_nb.ipynb") for i in range(3)] + [_notebook(tmp_path / "10.ipynb", True)]
+    one, every = P.plan(nbs, cell_timeout=60, unit_tests=False)
+    lines = []
+    P.run(one, every, gpus=2, logs=tmp_path / "logs", python=str(python), cwd=tmp_path, report=lines.append)
+    seen = [r["gpus"] for r in calls()]
+    assert set(seen[:-1]) == {"2", "3"} and seen[-1] == "2,3"
+    assert {line.split("]")[0] for line in lines} == {"[GPU 2", "[GPU 3", "[GPU 2,3"}
+
+
+def test_device_ids_follow_cuda_visible_devices():
+    assert P.device_ids(3, None) == ["0", "1", "2"]
+    assert P.device_ids(2, "4,5,6") == ["4", "5"]
+    assert P.device_ids(1, "GPU-8f2c,") == ["GPU-8f2c"]  # UUIDs pass through as they are
+    with pytest.raises(ValueError, match=r"2 GPU\(s\) asked for, but CUDA_VISIBLE_DEVICES='1' lists 1"):
+        P.device_ids(2, "1")
+    with pytest.raises(ValueError, match="lists 0"):
+        P.device_ids(1, "")
 
 
 def test_a_failed_job_is_reported_with_its_log_and_the_others_still_run(tmp_path, fake):

@@ -95,14 +95,21 @@ def test_gpu_run_refuses_a_machine_without_a_gpu(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU: the refusal is for CPU-only machines")
     result = subprocess.run(["bash", str(course.ROOT / ".ci" / "gpu-run")], capture_output=True, text=True,
-                            timeout=120, env={**os.environ, "PYTHON": sys.executable})
+                            timeout=120, env=_gpu_run_env(PYTHON=sys.executable))
     assert result.returncode == 2 and "sees no CUDA GPU" in result.stderr and "bash .ci/run" in result.stderr
 
 
 def test_gpu_run_needs_a_python(tmp_path):
     result = subprocess.run(["bash", str(course.ROOT / ".ci" / "gpu-run")], capture_output=True, text=True,
-                            timeout=60, env={**os.environ, "PYTHON": str(tmp_path / "no-python")})
+                            timeout=60, env=_gpu_run_env(PYTHON=str(tmp_path / "no-python")))
     assert result.returncode == 2 and "not found" in result.stderr
+
+
+def _gpu_run_env(**settings):
+    """The environment for a gpu-run under test: this process's, without gpu-run's own settings (the suite itself
+    runs inside `PARALLEL=1 bash .ci/gpu-run` on a GPU machine), plus ``settings``."""
+    env = {k: v for k, v in os.environ.items() if k not in {"PYTHON", "PARALLEL", "UNIT_TESTS", "CELL_TIMEOUT"}}
+    return {**env, **settings}
 
 
 def _checkout_with_gpu_run(tmp_path, files):
@@ -120,9 +127,14 @@ def _checkout_with_gpu_run(tmp_path, files):
     return repo
 
 
-def test_gpu_run_collects_only_the_notebooks_it_executed(tmp_path):
+@pytest.mark.parametrize("outer", [{}, {"PARALLEL": "1", "CELL_TIMEOUT": "60"}], ids=["plain", "inside-a-parallel-run"])
+def test_gpu_run_collects_only_the_notebooks_it_executed(tmp_path, monkeypatch, outer):
     """The other copies in build/gpu-run carry the reference GPU's committed outputs: their figures must not be
-    filed under this GPU's name (a run of 04 alone once wrote the H200's figures of 00-02 into results/h100.json)."""
+    filed under this GPU's name (a run of 04 alone once wrote the H200's figures of 00-02 into results/h100.json).
+    Run from a suite that `PARALLEL=1 bash .ci/gpu-run` started, the gpu-run under test must not inherit its mode
+    (it once did, and took the parallel path)."""
+    for name, value in outer.items():
+        monkeypatch.setenv(name, value)
     if shutil.which("git") is None or shutil.which("tar") is None:
         pytest.skip("needs git and tar")
     repo = _checkout_with_gpu_run(tmp_path, {"notebooks/00_install_check.ipynb": "{}\n",
@@ -133,7 +145,7 @@ def test_gpu_run_collects_only_the_notebooks_it_executed(tmp_path):
     fake.chmod(0o755)
     result = subprocess.run(["bash", str(repo / ".ci" / "gpu-run"), "notebooks/04_torch_compile.ipynb"],
                             capture_output=True, text=True, timeout=120,
-                            env={**os.environ, "PYTHON": str(fake), "UNIT_TESTS": "0"})
+                            env=_gpu_run_env(PYTHON=str(fake), UNIT_TESTS="0"))
     assert result.returncode == 0, result.stderr
     collect = [line for line in calls.read_text().splitlines() if "--collect-only" in line]
     assert collect == ["-m tools.reference_run --collect-only --results-dir results notebooks/04_torch_compile.ipynb"]
@@ -153,7 +165,7 @@ def test_gpu_run_parallel_mode_hands_the_notebooks_to_the_queue(tmp_path):
     fake.write_text(f'#!/bin/sh\necho "$*" >> {log}\nexit 0\n')
     fake.chmod(0o755)
     result = subprocess.run(["bash", str(repo / ".ci" / "gpu-run")], capture_output=True, text=True, timeout=120,
-                            env={**os.environ, "PYTHON": str(fake), "PARALLEL": "1", "CELL_TIMEOUT": "99"})
+                            env=_gpu_run_env(PYTHON=str(fake), PARALLEL="1", CELL_TIMEOUT="99"))
     assert result.returncode == 0, result.stderr
     calls = log.read_text().splitlines()
     assert not any("--write-machine" in c or c.startswith("-m pytest") for c in calls)
@@ -176,7 +188,7 @@ def test_gpu_run_copies_what_git_tracks_or_would_track(tmp_path):
     fake.write_text("#!/bin/sh\nexit 0\n")
     fake.chmod(0o755)
     result = subprocess.run(["bash", str(repo / ".ci" / "gpu-run")], capture_output=True, text=True, timeout=120,
-                            env={**os.environ, "PYTHON": str(fake), "UNIT_TESTS": "0"})
+                            env=_gpu_run_env(PYTHON=str(fake), UNIT_TESTS="0"))
     assert result.returncode == 0, result.stderr
     copied = {p.name for p in (repo / "build" / "gpu-run").iterdir()}
     assert {"tracked.py", "new_module.py", ".gitignore"} <= copied

@@ -2,7 +2,8 @@
 
 A sequential run of the whole course takes about as long as its notebooks together; on a machine with several GPUs
 most of them sit idle. Here each GPU gets one job at a time from a shared queue, with ``CUDA_VISIBLE_DEVICES``
-naming that GPU alone (the notebooks and the unit tests use ``cuda:0``, which is then that GPU). Two kinds of job
+naming that GPU alone (the notebooks and the unit tests use ``cuda:0``, which is then that GPU; where
+``CUDA_VISIBLE_DEVICES`` already limits the run to some GPUs, the jobs get those). Two kinds of job
 need every GPU and run afterwards, one at a time, with all of them visible: the notebooks whose metadata says
 ``"course": {"gpus": "all"}`` (notebook 10), and the unit tests marked ``multi_gpu``.
 
@@ -87,6 +88,22 @@ def plan(notebooks: Sequence[Path], *, cell_timeout: int, unit_tests: bool) -> t
     return one, every
 
 
+def device_ids(gpus: int, visible: str | None) -> list[str]:
+    """The ``CUDA_VISIBLE_DEVICES`` value of each of ``gpus`` GPUs: 0, 1, … or, where ``visible`` (the run's own
+    ``CUDA_VISIBLE_DEVICES``) lists GPUs, the first ``gpus`` of those, so that a run limited to GPUs 2 and 3 stays
+    on them.
+
+    Raises:
+        ValueError: when ``visible`` lists fewer GPUs than ``gpus``.
+    """
+    if visible is None:
+        return [str(i) for i in range(gpus)]
+    listed = [entry.strip() for entry in visible.split(",") if entry.strip()]
+    if len(listed) < gpus:
+        raise ValueError(f"{gpus} GPU(s) asked for, but CUDA_VISIBLE_DEVICES={visible!r} lists {len(listed)}")
+    return listed[:gpus]
+
+
 def _run(job: Job, gpus: str, logs: Path, python: str, cwd: Path) -> Outcome:
     log = logs / (job.name.replace(" ", "_") + ".log")
     start = time.monotonic()
@@ -104,10 +121,11 @@ def run(one: Sequence[Job], every: Sequence[Job], *, gpus: int, logs: Path, pyth
     """Run ``one`` from a queue, one job per GPU at a time, then ``every`` one at a time on all GPUs.
 
     Raises:
-        ValueError: for fewer than one GPU.
+        ValueError: for fewer than one GPU, or more than ``CUDA_VISIBLE_DEVICES`` lists (:func:`device_ids`).
     """
     if gpus < 1:
         raise ValueError(f"parallel nbmake needs at least one CUDA GPU, got {gpus}")
+    ids = device_ids(gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))
     logs.mkdir(parents=True, exist_ok=True)
     todo: queue.Queue[Job] = queue.Queue()
     for job in one:
@@ -123,21 +141,21 @@ def run(one: Sequence[Job], every: Sequence[Job], *, gpus: int, logs: Path, pyth
             if not outcome.passed:
                 report("\n".join("    " + line for line in outcome.tail))
 
-    def worker(gpu: int) -> None:
+    def worker(gpu: str) -> None:
         while True:
             try:
                 job = todo.get_nowait()
             except queue.Empty:
                 return
-            finished(_run(job, str(gpu), logs, python, cwd))
+            finished(_run(job, gpu, logs, python, cwd))
 
-    threads = [threading.Thread(target=worker, args=(g,), name=f"gpu{g}") for g in range(min(gpus, len(one)))]
+    threads = [threading.Thread(target=worker, args=(g,), name=f"gpu{g}") for g in ids[:len(one)]]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     for job in every:
-        finished(_run(job, ",".join(map(str, range(gpus))), logs, python, cwd))
+        finished(_run(job, ",".join(ids), logs, python, cwd))
     return outcomes
 
 
