@@ -23,7 +23,8 @@ start = time.time()
 time.sleep(float(os.environ.get("FAKE_SLEEP", "0.4")))
 with open({log!r}, "a") as f:
     f.write(json.dumps({{"args": args, "gpus": os.environ["CUDA_VISIBLE_DEVICES"], "start": start,
-                        "end": time.time()}}) + "\\n")
+                        "end": time.time(), "omp": os.environ.get("OMP_NUM_THREADS"),
+                        "compile": os.environ.get("TORCHINDUCTOR_COMPILE_THREADS")}}) + "\\n")
 print("fake pytest output for", args[-1])
 sys.exit(5 if "-m" in args and "multi_gpu" in args and os.environ.get("FAKE_NO_MULTI") else
          1 if any("broken" in a for a in args) else 0)
@@ -40,8 +41,10 @@ def _notebook(path: Path, all_gpus: bool = False) -> Path:
 
 @pytest.fixture(autouse=True)
 def all_gpus_visible(monkeypatch):
-    """These tests run inside a parallel run too, where their own job sees one GPU: start from none named."""
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    """These tests run inside a parallel run too, where their own job sees one GPU and a share of the cores:
+    start from none named and no thread settings."""
+    for name in ("CUDA_VISIBLE_DEVICES", *P.THREAD_SETTINGS):
+        monkeypatch.delenv(name, raising=False)
 
 
 @pytest.fixture
@@ -107,6 +110,26 @@ def test_a_run_limited_to_some_gpus_stays_on_them(tmp_path, fake, monkeypatch):
     seen = [r["gpus"] for r in calls()]
     assert set(seen[:-1]) == {"2", "3"} and seen[-1] == "2,3"
     assert {line.split("]")[0] for line in lines} == {"[GPU 2", "[GPU 3", "[GPU 2,3"}
+
+
+def test_each_one_gpu_job_gets_its_share_of_the_cores_unless_the_run_sets_it(tmp_path, fake, monkeypatch):
+    python, calls = fake
+    monkeypatch.setattr(P.os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    nbs = [_notebook(tmp_path / f"0{i}_nb.ipynb") for i in range(3)] + [_notebook(tmp_path / "10.ipynb", True)]
+    one, every = P.plan(nbs, cell_timeout=60, unit_tests=False)
+    P.run(one, every, gpus=2, logs=tmp_path / "logs", python=str(python), cwd=tmp_path, report=lambda _: None)
+    runs = calls()
+    assert [(r["omp"], r["compile"]) for r in runs[:-1]] == [("4", "4")] * 3  # 8 cores, 2 jobs at a time
+    assert (runs[-1]["omp"], runs[-1]["compile"]) == (None, None)  # the all-GPU job runs alone: no share
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    (tmp_path / "calls.jsonl").unlink()
+    P.run(one[:1], [], gpus=2, logs=tmp_path / "logs", python=str(python), cwd=tmp_path, report=lambda _: None)
+    assert (calls()[0]["omp"], calls()[0]["compile"]) == ("3", "8")  # one job: all 8 cores; the run's OMP kept
+
+
+def test_thread_share():
+    assert P.thread_share(4, 64) == {"OMP_NUM_THREADS": "16", "TORCHINDUCTOR_COMPILE_THREADS": "16"}
+    assert P.thread_share(4, 2)["OMP_NUM_THREADS"] == "1" and P.thread_share(0, None)["OMP_NUM_THREADS"] == "1"
 
 
 def test_device_ids_follow_cuda_visible_devices():

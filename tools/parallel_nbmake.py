@@ -7,9 +7,12 @@ naming that GPU alone (the notebooks and the unit tests use ``cuda:0``, which is
 need every GPU and run afterwards, one at a time, with all of them visible: the notebooks whose metadata says
 ``"course": {"gpus": "all"}`` (notebook 10), and the unit tests marked ``multi_gpu``.
 
-The jobs share the host's CPU cores, memory and PCIe: what they check (that every cell runs and every result is
-right) holds, but their timings are not reference timings. So a parallel run writes no ``machine.json`` and its
-executed notebooks are not for ``tools.reference_run --stamp-executed``; time on a quiet machine for that.
+The jobs share the host's CPU cores, memory and PCIe. Each one-GPU job gets an equal share of the cores for its
+thread pools, ``OMP_NUM_THREADS`` and Inductor's compile workers (``TORCHINDUCTOR_COMPILE_THREADS``), unless the
+run sets them itself: without it, four notebooks compiling at once would each start as many workers as the host
+has cores (up to 32). What the jobs check (that every cell runs and every result is right) holds, but their
+timings are not reference timings. So a parallel run writes no ``machine.json`` and its executed notebooks are not
+for ``tools.reference_run --stamp-executed``; time on a quiet machine for that.
 
     python -m tools.parallel_nbmake --gpus 4 --cell-timeout 1800 --unit-tests notebooks/*.ipynb
 
@@ -104,12 +107,23 @@ def device_ids(gpus: int, visible: str | None) -> list[str]:
     return listed[:gpus]
 
 
-def _run(job: Job, gpus: str, logs: Path, python: str, cwd: Path) -> Outcome:
+#: The thread-pool sizes a one-GPU job gets its share of the host's cores for (unless the run sets them).
+THREAD_SETTINGS = ("OMP_NUM_THREADS", "TORCHINDUCTOR_COMPILE_THREADS")
+
+
+def thread_share(jobs_at_once: int, cores: int | None) -> dict[str, str]:
+    """The settings that give each of ``jobs_at_once`` jobs an equal share of ``cores`` CPU cores (at least 1)."""
+    share = str(max(1, (cores or 1) // max(1, jobs_at_once)))
+    return {name: share for name in THREAD_SETTINGS}
+
+
+def _run(job: Job, gpus: str, logs: Path, python: str, cwd: Path, threads: dict[str, str] | None = None) -> Outcome:
     log = logs / (job.name.replace(" ", "_") + ".log")
     start = time.monotonic()
+    env = {**(threads or {}), **os.environ, "CUDA_VISIBLE_DEVICES": gpus}  # the run's own settings win
     with log.open("w") as out:
         rc = subprocess.run([python, "-m", "pytest", *job.args], cwd=cwd, stdout=out, stderr=subprocess.STDOUT,
-                            env={**os.environ, "CUDA_VISIBLE_DEVICES": gpus}).returncode
+                            env=env).returncode
     # pytest exits 5 when a marker selects no test (no multi-GPU test on this checkout): nothing failed
     if rc == 5 and job.args[:1] == ["-m"]:
         rc = 0
@@ -126,6 +140,8 @@ def run(one: Sequence[Job], every: Sequence[Job], *, gpus: int, logs: Path, pyth
     if gpus < 1:
         raise ValueError(f"parallel nbmake needs at least one CUDA GPU, got {gpus}")
     ids = device_ids(gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    share = thread_share(min(gpus, len(one)), len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                           else os.cpu_count())
     logs.mkdir(parents=True, exist_ok=True)
     todo: queue.Queue[Job] = queue.Queue()
     for job in one:
@@ -147,7 +163,7 @@ def run(one: Sequence[Job], every: Sequence[Job], *, gpus: int, logs: Path, pyth
                 job = todo.get_nowait()
             except queue.Empty:
                 return
-            finished(_run(job, gpu, logs, python, cwd))
+            finished(_run(job, gpu, logs, python, cwd, share))
 
     threads = [threading.Thread(target=worker, args=(g,), name=f"gpu{g}") for g in ids[:len(one)]]
     for t in threads:
