@@ -1,11 +1,12 @@
 """utils.bench: the timing harness and the peak measurements (CPU)."""
 
+import random
 import time
 
 import pytest
 import torch
 
-from utils import bench
+from utils import bench, results
 
 
 def test_bench_measures_a_known_duration():
@@ -96,91 +97,9 @@ def test_rates_and_percentages():
         bench.percent_of(1, 0)
 
 
-def test_speedup_table_against_baseline():
-    t1 = bench.Timing("eager", 0.004, 0.0, (0.004,), 1, "cpu")
-    t2 = bench.Timing("fused", 0.001, 0.0, (0.001,), 1, "cpu")
-    rows = bench.speedup_table([t1, t2])
-    assert [r["speed-up"] for r in rows] == ["1.00×", "4.00×"]
-
-
-@pytest.mark.parametrize(("seconds", "text"), [(1.5, "1.5 s"), (0.0123, "12.3 ms"), (3.4e-6, "3.4 µs"),
-                                               (8e-9, "8 ns")])
-def test_format_seconds(seconds, text):
-    assert bench.format_seconds(seconds) == text
-
-
-def test_copy_bandwidth_and_matmul_rate_on_cpu():
-    copy = bench.copy_bandwidth("cpu", nbytes=16 << 20)
-    assert copy.unit == "GB/s" and copy.value > 0.1
-    mm = bench.matmul_rate(torch.float32, "cpu", n=256)
-    assert mm.unit == "TFLOP/s" and mm.value > 0
-    # the TF32 switch is restored afterwards
-    before = torch.get_float32_matmul_precision()
-    bench.matmul_rate(torch.float32, "cpu", n=64, tf32=True)
-    assert torch.get_float32_matmul_precision() == before
-
-
-def test_host_to_device_needs_cuda():
-    with pytest.raises(RuntimeError, match="needs a CUDA device"):
-        bench.host_to_device_bandwidth(1 << 20, pinned=False, device="cpu")
-
-
-# ── compare: verdicts with their noise ──────────────────────────────────────────────────────────────────────
-
-
 def timing(label, blocks):
     """A Timing from per-call block times, as bench() would build it."""
     return bench._timing_from(label, list(blocks), 1, torch.device("cpu"))
-
-
-def test_compare_calls_a_clear_gain_faster():
-    base = timing("eager", [1.00, 1.01, 0.99, 1.02, 1.00, 0.98, 1.01])
-    fast = timing("fused", [0.50, 0.51, 0.49, 0.50, 0.52, 0.50, 0.49])
-    result = bench.compare(base, fast)
-    assert result.outcome == "faster" and result.speedup == pytest.approx(2.0, rel=0.02)
-    assert result.short == "2.00× faster" and "2.00× faster" in str(result)
-    assert bench.compare(fast, base).outcome == "slower"
-    assert "slower" in bench.compare(fast, base).verdict
-
-
-def test_compare_calls_overlapping_timings_the_same():
-    base = timing("a", [1.00, 1.10, 0.90, 1.05, 0.95, 1.02, 0.98])
-    other = timing("b", [0.97, 1.08, 0.88, 1.03, 0.93, 1.00, 0.96])  # 2% apart, spreads of ±5%
-    result = bench.compare(base, other)
-    assert result.outcome == "same" and result.short == "same (noise)"
-    assert "no difference beyond the noise" in result.verdict and "overlap" in result.verdict
-
-
-def test_compare_needs_min_effect_even_without_overlap():
-    base = timing("a", [1.000, 1.001, 0.999, 1.000, 1.000])
-    other = timing("b", [0.980, 0.981, 0.979, 0.980, 0.980])  # tight and disjoint, but only 2% apart
-    assert bench.compare(base, other).outcome == "same"
-    assert "drift" in bench.compare(base, other).verdict
-    assert bench.compare(base, other, min_effect=0.01).outcome == "faster"
-
-
-def test_explain_adds_the_measured_reason_only_when_the_expectation_fails():
-    base = timing("seed", [1.0, 1.01, 0.99, 1.0, 1.0])
-    same = timing("pinned", [0.99, 1.0, 1.01, 0.98, 1.0])
-    text = bench.compare(base, same).explain("faster", why="the copy takes 4 µs of a 1.4 ms step")
-    assert text.startswith("pinned vs seed: no difference beyond the noise") and "4 µs" in text
-    fast = timing("fast", [0.5, 0.5, 0.5, 0.5, 0.5])
-    assert bench.compare(base, fast).explain("faster", why="unused").endswith("as expected")
-
-
-def test_compare_rejects_bad_input():
-    t = timing("a", [1.0, 1.0])
-    with pytest.raises(TypeError, match="two Timing"):
-        bench.compare(1.0, t)
-    with pytest.raises(ValueError, match="min_effect"):
-        bench.compare(t, t, min_effect=1.5)
-
-
-def test_speedup_table_has_a_verdict_column():
-    base = timing("eager", [1.0, 1.01, 0.99, 1.0, 1.0])
-    fast = timing("fused", [0.25, 0.25, 0.26, 0.24, 0.25])
-    rows = bench.speedup_table([base, fast])
-    assert [r["verdict"] for r in rows] == ["baseline", "4.00× faster"]
 
 
 def test_quartiles_of_a_timing():
@@ -201,27 +120,285 @@ def test_matmul_rate_kinds_on_cpu():
         bench.matmul_rate(torch.float32, "cpu", n=64, kind="peak")
 
 
-def test_retimed_says_the_same_within_the_noise():
-    before = timing("bf16", [1.00, 1.05, 0.95, 1.02, 0.98])
-    again = timing("bf16", [1.01, 1.04, 0.96, 1.03, 0.99])
-    changed, text = bench.retimed(before, again, then="in section 5", now="here")
-    assert not changed and "⚠" not in text
-    assert text.startswith("bf16: 1.01 s (IQR") and "here, 1 s (IQR" in text and "in section 5" in text
-    assert text.endswith("the same within the noise")
+# ── The one comparison protocol: alternating rounds, driven by a fake clock ─────────────────────────────────
 
 
-def test_retimed_warns_when_the_same_work_got_slower_or_faster():
-    before = timing("fp16 + GradScaler", [0.0156, 0.0157, 0.0155, 0.0156, 0.0158])
-    slower = timing("fp16 + GradScaler", [0.0203, 0.0204, 0.0202, 0.0203, 0.0205])  # 1.30× as long, tight spreads
-    changed, text = bench.retimed(before, slower, then="in section 5", now="here")
-    assert changed and "⚠ 1.30× slower here" in text and "not with what was timed in section 5" in text
-    changed, text = bench.retimed(slower, before)
-    assert changed and "⚠ 1.30× faster now" in text
+class FakeClock:
+    """A clock that only moves when fake work runs: each call of a work function advances it by the work's cost
+    times a drift factor of the current time (a GPU whose clock sags under a power cap, a host that gets busier)."""
+
+    def __init__(self, drift=lambda t: 1.0, noise=None):
+        self.now = 0.0
+        self.drift = drift
+        self.noise = noise
+        self.calls = []
+
+    def __call__(self):
+        return self.now
+
+    def work(self, name, cost_s):
+        def fn():
+            self.calls.append(name)
+            factor = self.noise() if self.noise else 1.0
+            self.now += cost_s * self.drift(self.now) * factor
+
+        return fn
 
 
-def test_retimed_ignores_a_small_shift_and_rejects_bad_input():
-    before = timing("a", [1.000, 1.001, 0.999, 1.000, 1.000])
-    shifted = timing("a", [1.020, 1.021, 1.019, 1.020, 1.020])  # disjoint but 2% apart: under MIN_EFFECT
-    assert bench.retimed(before, shifted)[0] is False
-    with pytest.raises(TypeError, match="two Timing"):
-        bench.retimed(before, 1.0)
+def slowing_host(t):
+    """The cost of the same work doubles over the first three seconds: the case that fired the old guards."""
+    return 1.0 + min(t, 3.0) / 3.0
+
+
+def test_a_real_speedup_under_drift_is_resolved_with_the_true_ratio():
+    clock = FakeClock(drift=slowing_host)
+    result = bench.compare({"baseline": clock.work("a", 0.010), "candidate": clock.work("b", 0.010 / 1.6)},
+                           clock=clock, device="cpu", min_run_time=2.0)
+    v = result.verdict("candidate")
+    assert v.outcome == "faster" and v.speedup == pytest.approx(1.6, rel=0.03)
+    assert v.short == "1.60× faster" or v.short.endswith("faster")
+    assert "faster" in str(result) and "1.6" in str(result)
+
+
+def test_the_old_protocol_misreads_the_same_drift():
+    """What the alternating rounds replace: a baseline timed first and its variant afterwards, under the same drift,
+    gives a ratio far from the true 1.6× (the guards used to print ⚠ about it)."""
+    clock = FakeClock(drift=slowing_host)
+    before = bench.bench(clock.work("a", 0.010), clock=clock, device="cpu", min_run_time=1.0)
+    after = bench.bench(clock.work("b", 0.010 / 1.6), clock=clock, device="cpu", min_run_time=1.0)
+    assert before.median_s / after.median_s < 1.3  # a third of the speed-up lost to the drift
+
+
+def test_no_difference_under_drift_is_a_resolved_null():
+    clock = FakeClock(drift=slowing_host)
+    result = bench.compare({"a": clock.work("a", 0.004), "b": clock.work("b", 0.004)}, clock=clock, device="cpu")
+    v = result.verdict()
+    # each variant's own band is wide (the drift), the paired ratios are not
+    assert result.timings["a"].spread > 0.1
+    assert v.outcome == "same" and v.short == "no difference > 3%"
+    assert v.text.startswith("no difference larger than 3%")
+
+
+def test_noise_wider_than_the_resolution_is_inconclusive_never_a_miss():
+    rng = random.Random(0)
+    clock = FakeClock(noise=lambda: rng.uniform(0.7, 1.3))
+    result = bench.compare({"a": clock.work("a", 0.010), "b": clock.work("b", 0.010 / 1.05)}, clock=clock,
+                           device="cpu", rounds=8, min_run_time=0.08)  # one call per block: nothing averages out
+    v = result.verdict("b")
+    assert v.outcome == "inconclusive"
+    assert v.text.startswith("could not resolve a 3% effect here") and "band" in v.text
+    assert "did not hold" not in str(result) and "slower" not in v.short
+
+
+def test_a_slower_variant_is_resolved_as_slower():
+    clock = FakeClock()
+    v = bench.compare({"fast": clock.work("a", 0.001), "slow": clock.work("b", 0.0033)}, clock=clock,
+                      device="cpu").verdict()
+    assert v.outcome == "slower" and v.short == "3.30× slower" and v.speedup == pytest.approx(1 / 3.3)
+
+
+def test_rounds_alternate_and_reverse_order():
+    clock = FakeClock()
+    bench.compare({"A": clock.work("A", 1.0), "B": clock.work("B", 1.0), "C": clock.work("C", 1.0)}, clock=clock,
+                  device="cpu", rounds=4, warmup=1, min_run_time=0.1)  # one call per block
+    timed = clock.calls[-12:]
+    assert "".join(timed) == "ABCCBAABCCBA"
+
+
+def test_variants_are_warmed_up_and_given_blocks_of_their_own_length():
+    clock = FakeClock()
+    result = bench.compare({"short": clock.work("s", 1e-4), "long": clock.work("l", 1e-2)}, clock=clock,
+                           device="cpu", rounds=4, min_run_time=0.8)  # 0.1 s per block
+    assert result.timings["short"].calls_per_block == 1000 and result.timings["long"].calls_per_block == 10
+    assert result.rounds == 4 and len(result.ratios("long")) == 4
+
+
+def test_verdict_rules_on_crafted_ratios():
+    def v(ratios, resolution=0.03):
+        return bench.verdict_from_ratios("x", "base", ratios, resolution=resolution)
+
+    assert v([1.60, 1.62, 1.61, 1.63, 1.62, 1.61]).outcome == "faster"
+    assert v([1.02, 1.03, 1.025, 1.02, 0.99, 1.01]).outcome == "same"  # every ratio within ±3%
+    assert v([1.02, 1.05, 1.06, 1.04, 1.05, 1.04]).outcome == "faster"  # band excludes 1, median 1.045 > 1.03
+    assert v([1.01, 1.02, 1.05, 1.06, 1.04, 1.02]).outcome == "inconclusive"  # median 1.03: not over 3%
+    assert v([0.8, 1.3, 1.0, 1.1, 1.05, 0.9]).outcome == "inconclusive"
+    assert v([0.50, 0.52, 0.51]).outcome == "slower"
+    assert v([0.8, 1.3, 1.0, 1.1], resolution=0.4).outcome == "same"
+    wide = v([0.8, 1.3, 1.0, 1.1], resolution=0.10)
+    assert wide.text.startswith("could not resolve a 10% effect here") and "band 0.80–1.30×" in wide.text
+    with pytest.raises(ValueError, match="at least 2"):
+        v([1.0])
+    with pytest.raises(ValueError, match="resolution"):
+        v([1.0, 1.0], resolution=3)
+
+
+def test_median_interval_is_the_sign_test_interval():
+    ten = [float(i) for i in range(1, 11)]
+    low, high, coverage = bench.median_interval(ten)
+    assert (low, high) == (2.0, 9.0) and coverage == pytest.approx(1 - 2 * 11 / 1024)
+    low, high, coverage = bench.median_interval([3.0, 1.0, 2.0, 4.0])
+    assert (low, high) == (1.0, 4.0) and coverage == pytest.approx(0.875)  # too few values for 95%: the range
+
+
+def test_pure_noise_is_rarely_called_a_difference():
+    """Over many comparisons of identical work under ±30% noise, at most a few percent come out "faster" or "slower"
+    (the quartiles of the ratios did so about a third of the time)."""
+    rng = random.Random(1)
+    false = 0
+    for _ in range(200):
+        ratios = [rng.uniform(0.7, 1.3) / rng.uniform(0.7, 1.3) for _ in range(12)]
+        false += bench.verdict_from_ratios("b", "a", ratios).outcome in ("faster", "slower")
+    assert false <= 200 * 0.06
+
+
+def test_explain_prints_the_reason_of_the_outcome_it_got():
+    clock = FakeClock()
+    v = bench.compare({"seed": clock.work("a", 1e-3), "pinned": clock.work("b", 3.3e-3)}, clock=clock,
+                      device="cpu").verdict()
+    text = v.explain(faster="the copy is hidden behind the step", slower="pinning runs in the main thread")
+    assert "slower" in text and text.endswith("pinning runs in the main thread")
+    assert "hidden" not in text
+    assert v.explain(faster="only if faster") == str(v)  # no reason for this outcome: the verdict alone
+    with pytest.raises(ValueError, match="keyed by outcome"):
+        v.explain(expected="faster")
+
+
+def test_rates_limits_table_and_plot():
+    clock = FakeClock()
+    result = bench.compare({"pageable": clock.work("a", 2e-3), "pinned": clock.work("b", 1e-3)}, clock=clock,
+                           device="cpu", bytes_moved=1e8, limit=200.0, limit_name="PCIe link", title="H2D")
+    assert result.rate("pinned") == pytest.approx(100.0) and result.rate("pageable") == pytest.approx(50.0)
+    rows = result.rows()
+    assert rows[1]["GB/s"] == "100" and rows[1]["% of PCIe link"] == "50%" and rows[0]["verdict"] == "baseline"
+    assert result.fastest == "pinned"
+    fig = result.plot()
+    assert fig.axes[0].get_title() == "H2D"
+    items = bench.compare({"a": clock.work("a", 0.5), "b": clock.work("b", 0.25)}, clock=clock, device="cpu",
+                          items=(4000, "images"))
+    assert items.rows()[0]["images/s"] == "8,000"
+    with pytest.raises(ValueError, match="no rate"):
+        bench.compare({"a": clock.work("a", 1e-3), "b": clock.work("b", 1e-3)}, clock=clock, device="cpu").rate("a")
+
+
+def test_record_inside_the_measuring_call():
+    clock = FakeClock()
+    bench.compare({"serial": clock.work("a", 2e-3), "overlapped": clock.work("b", 1e-3)}, clock=clock,
+                  device="cpu", bytes_moved=1e6, limit=2.0, limit_name="link",
+                  record={"overlap_speedup": "overlapped", "serial_s": "serial",
+                          "overlapped_gbps": ("overlapped", "rate")})
+    speed = results.RECORDED["overlap_speedup"]
+    assert speed.unit == "x" and speed.value == pytest.approx(2.0) and speed.band == pytest.approx((2.0, 2.0))
+    assert results.RECORDED["serial_s"].unit == "s" and results.RECORDED["serial_s"].value == pytest.approx(2e-3)
+    rate = results.RECORDED["overlapped_gbps"]
+    assert rate.unit == "GB/s" and rate.value == pytest.approx(1.0) and rate.percent_of_limit == pytest.approx(50)
+
+
+def test_bad_comparisons_are_clear_errors():
+    with pytest.raises(ValueError, match="at least two"):
+        bench.compare({"only": lambda: None})
+    with pytest.raises(TypeError, match="variant 'b'"):
+        bench.compare({"a": lambda: None, "b": 3})
+    with pytest.raises(ValueError, match="baseline 'c'"):
+        bench.compare({"a": lambda: None, "b": lambda: None}, baseline="c", device="cpu")
+    with pytest.raises(ValueError, match="rounds >= 2"):
+        bench.compare({"a": lambda: None, "b": lambda: None}, rounds=1, device="cpu")
+    with pytest.raises(ValueError, match="at most one"):
+        bench.compare({"a": lambda: None, "b": lambda: None}, bytes_moved=1, flops=1, device="cpu")
+
+
+def test_comparison_from_rounds_measured_elsewhere():
+    """Rounds timed outside one process (alternating torchrun launches) get the same verdicts."""
+    result = bench.Comparison.from_rounds({"1 GPU": [2.0, 2.2, 2.4, 2.6], "2 GPUs": [1.05, 1.15, 1.25, 1.35]})
+    v = result.verdict()
+    assert v.outcome == "faster" and v.speedup == pytest.approx(1.91, rel=0.01)
+    with pytest.raises(ValueError, match="same number of rounds"):
+        bench.Comparison.from_rounds({"a": [1.0, 1.0], "b": [1.0]})
+    with pytest.raises(ValueError, match="positive"):
+        bench.Comparison.from_rounds({"a": [1.0, 1.0], "b": [1.0, 0.0]})
+
+
+def test_real_work_on_cpu_is_compared_in_rounds():
+    small, large = torch.randn(64, 64), torch.randn(256, 256)  # 64× the work
+    result = bench.compare({"large": lambda: large @ large, "small": lambda: small @ small}, device="cpu",
+                           min_run_time=0.3)
+    assert result.verdict("small").outcome in ("faster", "inconclusive")
+    assert result.timings["large"].median_s > result.timings["small"].median_s
+
+
+# ── Profiling never precedes a timing ───────────────────────────────────────────────────────────────────────
+
+
+def test_timing_after_a_profile_is_refused():
+    from utils import profile
+
+    x = torch.randn(32, 32)
+    bench.bench(lambda: x @ x, device="cpu", min_run_time=0.01)  # before: fine
+    profile.profile_steps(lambda: x @ x, steps=1, device="cpu")
+    with pytest.raises(profile.ProfiledProcessError, match="profile_steps"):
+        bench.bench(lambda: x @ x, device="cpu", min_run_time=0.01)
+    with pytest.raises(profile.ProfiledProcessError, match="restart the kernel"):
+        bench.compare({"a": lambda: x @ x, "b": lambda: x + x}, device="cpu")
+    with pytest.raises(profile.ProfiledProcessError):
+        bench.copy_bandwidth("cpu", nbytes=1 << 20)
+
+
+def test_a_profiler_session_opened_by_hand_counts_too():
+    from torch.profiler import ProfilerActivity
+
+    from utils import profile
+
+    x = torch.randn(16, 16)
+    with profile.session(activities=[ProfilerActivity.CPU]) as prof:
+        with pytest.raises(profile.ProfiledProcessError):
+            bench.bench(lambda: x @ x, device="cpu", min_run_time=0.01)
+        x @ x
+    assert prof.key_averages()
+    with pytest.raises(profile.ProfiledProcessError, match="session"):
+        bench.bench(lambda: x @ x, device="cpu", min_run_time=0.01)
+
+
+# ── A sweep ─────────────────────────────────────────────────────────────────────────────────────────────────
+
+
+def test_sweep_checks_every_variant_then_gives_rates_against_a_limit():
+    def copy(size):
+        src, dst = torch.randn(size), torch.empty(size)
+        return lambda: dst.copy_(src)
+
+    def clone(size):
+        src = torch.arange(size, dtype=torch.float32)
+        return lambda: src.clone()
+
+    reference = lambda size: torch.arange(size, dtype=torch.float32)  # noqa: E731
+    good = bench.sweep({"clone": clone, "add zero": lambda s: (lambda t=torch.arange(s, dtype=torch.float32): t + 0)},
+                       [1 << 10, 1 << 14], reference=reference, bytes_moved=lambda s: 8 * s, limit=1e4,
+                       limit_name="copy bandwidth", rounds=2, min_run_time=0.02, progress=False,
+                       record={"clone_gbps": "clone"})
+    assert len(good.rates("clone")) == 2 and all(r > 0 for r in good.rates("clone"))
+    assert "checked against the reference at every size" in str(good)
+    assert results.RECORDED["clone_gbps"].limit == 1e4
+    assert good.plot().axes[0].get_xscale() == "log"
+    with pytest.raises(ValueError, match="'copy' differs from the reference at size 1024"):
+        bench.sweep({"clone": clone, "copy": copy}, [1 << 10], reference=reference, rounds=2, min_run_time=0.01,
+                    progress=False)
+    unchecked = bench.sweep({"clone": clone, "copy": copy}, [1 << 10], rounds=2, min_run_time=0.01, progress=False)
+    assert "not checked: no reference was given" in str(unchecked)
+    with pytest.raises(ValueError, match="increasing order"):
+        bench.sweep({"clone": clone, "copy": copy}, [4, 2])
+
+
+def test_burst_size_shrinks_until_one_product_fits_the_budget():
+    made = []
+
+    def operands(n):
+        made.append(n)
+        return torch.randn(8, 8), torch.randn(8, 8)
+
+    clock_s = iter([0.0, 0.3, 0.3, 0.6, 0.6, 0.6 + 0.004])  # 300 ms, 300 ms, then 4 ms per product
+    real = bench.time.perf_counter
+    try:
+        bench.time.perf_counter = lambda: next(clock_s)
+        n, _, _ = bench._burst_n(operands, 8192, torch.device("cpu"), 0.005)
+    finally:
+        bench.time.perf_counter = real
+    assert made == [8192, 4096, 2048] and n == 2048

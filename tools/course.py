@@ -55,22 +55,19 @@ def colab_badge(notebook: Path) -> str:
 
 
 SETUP_CELL_TEMPLATE = '''\
-# Setup (the same in every notebook): make the course's `utils` importable, then report the environment.
+# Setup (the same in every notebook): put the course's `utils` on the path (on Colab: clone it), report the machine.
 import subprocess
 import sys
 from pathlib import Path
 
 REPO_URL = "{url}"
-root = next((p for p in (Path.cwd(), *Path.cwd().parents) if (p / "utils" / "__init__.py").is_file()), None)
-if root is None and "google.colab" in sys.modules:  # on Colab: fetch the course next to this notebook
-    root = Path.cwd() / REPO_URL.rsplit("/", 1)[-1]
-    if not (root / "utils" / "__init__.py").is_file():
-        subprocess.run(["git", "clone", "--depth=1", REPO_URL, str(root)], check=True, timeout=300)
-if root is None:
+found = [p for p in (Path.cwd(), *Path.cwd().parents) if (p / "utils" / "__init__.py").is_file()]
+root = found[0] if found else Path.cwd() / REPO_URL.rsplit("/", 1)[-1]
+if not found and "google.colab" in sys.modules and not root.exists():
+    subprocess.run(["git", "clone", "--depth=1", REPO_URL, str(root)], check=True, timeout=300)
+if not (root / "utils").is_dir():
     raise RuntimeError(f"The course's utils/ folder was not found: open this notebook in a clone of {{REPO_URL}}")
-if str(root) not in sys.path:
-    sys.path.insert(0, str(root))
-
+sys.path.insert(0, str(root))
 import utils
 
 device = utils.env.get_device()

@@ -1,9 +1,11 @@
 """The course's shared helpers: one small module per concern.
 
 - ``env``     device choice, capabilities, the environment report, clock / power / PCIe readings
-- ``bench``   the one timing harness, verdicts with their noise, and the peaks measured on this machine
+- ``bench``   how the course measures: one timing, the one comparison (alternating rounds, three verdicts), a
+  sweep over sizes, recording inside the measuring call, and the peaks measured on this machine
 - ``datasheets`` vendor peak rates, and which sheet describes this GPU
-- ``profile`` torch.profiler: a step's kernels, busy vs idle GPU time, top kernels, Perfetto traces
+- ``profile`` torch.profiler: a step's kernels, busy vs idle GPU time, top kernels, Perfetto traces; after a
+  profile, no timing in the same process
 - ``compile_cache`` cold and warm torch.compile caches: a fresh cache directory, graph-cache counts
 - ``extension`` building the C++/CUDA extensions of ``csrc/`` (imported by the operators that need it)
 - ``memory``  allocated / reserved / peak memory, a block's peak, what autograd keeps for backward, byte formatting

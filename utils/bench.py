@@ -1,50 +1,70 @@
-"""The course's one timing harness, and the measured peaks that results are put against.
+"""How the course measures: one timing of one thing, one comparison of several, a sweep over sizes, and the peaks
+(matmul rate, copy bandwidth) that results are put against. The protocol is explained once, in notebook 00 and
+README ("How the course measures"); every notebook calls it in one line.
 
-``bench(fn)`` runs ``fn`` in blocks of calls long enough that the clock's own cost is negligible (under the
-standard library's ``timeit.Timer``, as ``torch.utils.benchmark.Timer`` does), synchronises the GPU at the block
-boundaries (its clock calls ``torch.cuda.synchronize(device)`` before reading ``timeit.default_timer``), and
-reports the median and inter-quartile range of the per-call time over at least ``min_blocks`` blocks. Time is
-wall-clock per call, so launch overhead and host work count, as they do in a real loop.
+``bench(fn)`` times one thing: blocks of calls long enough that the clock's cost is negligible, the GPU
+synchronised at block boundaries, warm-up first; it returns the median per-call time and the band (the quartiles)
+of the blocks. Use it for a rate (a copy, a matmul), never for an A-against-B verdict.
 
-``compare(baseline, candidate)`` turns two timings into a verdict that respects their noise: "1.29× faster",
-"slower: it takes 1.18× as long", or "no difference beyond the noise". Notebooks print it instead of writing a
-verdict into prose. ``retimed(reference, again)`` applies the same rule to one piece of work timed twice in a run:
-a guard that says when the conditions changed in between.
+``compare({"A": a, "B": b, ...})`` is the one way the course compares. It warms every variant up, then times them
+**in alternating rounds**, one block of each per round, the order reversed every other round, so that every
+variant sees the same process state: a clock that sags under a power cap, a host that gets busier, a cache that
+warms. Each round gives a speed-up per variant (the baseline's block over the variant's); the verdict comes from
+those paired ratios — their median and its band (a 95% confidence interval, :func:`median_interval`) — with three
+outcomes:
 
-``first_call(fn)`` times one synchronised call instead, for the one-off costs that the warm-up keeps out of
-``bench`` (a first call that compiles, builds or autotunes), to be reported next to the steady state.
+* **resolved difference**: the band excludes 1 and the median differs by more than the resolution — "1.62× faster";
+* **resolved null**: the whole band lies within ± the resolution — "no difference larger than 3%";
+* **inconclusive**: anything else — "could not resolve a 3% effect here (1.04×, band 0.95–1.12×)", never reported
+  as a tip that "did not hold".
 
-Rules it enforces or helps with: warm-up calls run before timing; at least ``min_blocks`` blocks are measured, so
-the spread means something; callers pass the same inputs to every variant (the closure holds them); throughput
-helpers turn a timing into GB/s or TFLOP/s and a percentage of a peak measured on the same machine.
+A drift that would have made a baseline timed sections earlier look slower or faster moves both sides of every
+round alike, so it cancels in the ratios: no guard has to detect it after the fact.
+
+``sweep(factories, sizes, bytes_moved=...)`` runs one comparison per size, checks every variant against a reference
+first, and gives GB/s (or TFLOP/s) per variant and size against a limit measured here, as a table and a plot.
+
+Recording is part of the measuring call: ``compare(..., record={"stream_overlap_speedup": "overlapped"})`` writes
+the figure with :func:`utils.results.record`, so a lesson holds no bookkeeping cell.
+
+Timing never follows a profile in the same process: a finished ``torch.profiler`` session can leave CUPTI attached
+and slow host-bound code, so :func:`bench` and :func:`compare` refuse to run after one
+(:func:`utils.profile.assert_not_profiled`). Take the timings first; profile to explain them afterwards.
 
 Peaks come in two kinds (:func:`matmul_rate`): a *burst*, tens of milliseconds after the GPU rested, at the boost
 clock a short job sees; and a *sustained* rate, seconds of back-to-back work, which is what a long job gets once
 the power or thermal limit has lowered the clock. Both carry the SM clock, power and throttle reasons read while
-they ran (:func:`utils.env.gpu_conditions`). Later notebooks divide by the sustained rate: their own
-measurements are seconds of steady work under the same limits.
+they ran (:func:`utils.env.gpu_conditions`). Later notebooks divide by the sustained rate.
 """
 
 from __future__ import annotations
 
+import gc
 import math
 import statistics
 import time
-import timeit
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Literal, TypeVar
 
 import torch
 
 from utils.env import GpuConditions, get_device, gpu_conditions, synchronize
+from utils.profile import assert_not_profiled
 
 T = TypeVar("T")
+
+#: The default resolution of a comparison: effects smaller than this are reported as "no difference larger than
+#: 3%" when the band allows it. On a GPU, paired rounds resolve a few percent; a host-bound loop on a busy CPU may not.
+RESOLUTION = 0.03
+
+
+# ── One timing ─────────────────────────────────────────────────────────────────────────────────────────────
 
 
 @dataclass(frozen=True)
 class Timing:
-    """Per-call time of one function: the median and inter-quartile range over measured blocks."""
+    """Per-call time of one function: the median and the band (quartiles) over measured blocks."""
 
     label: str
     median_s: float
@@ -72,15 +92,14 @@ class Timing:
 
     @property
     def quartiles_s(self) -> tuple[float, float]:
-        """(first, third) quartile of the per-call block times: the middle half of the blocks lies between."""
-        if len(self.block_times_s) < 2:
-            return self.median_s, self.median_s
-        q1, _, q3 = statistics.quantiles(self.block_times_s, n=4, method="inclusive")
-        return q1, q3
+        """(first, third) quartile of the per-call block times: the band of this timing."""
+        return _quartiles(self.block_times_s)
 
     def __str__(self) -> str:
-        return (f"{self.label}: {format_seconds(self.median_s)} median, IQR {format_seconds(self.iqr_s)} "
-                f"({len(self.block_times_s)} blocks × {self.calls_per_block} calls, {self.device})")
+        q1, q3 = self.quartiles_s
+        return (f"{self.label}: {format_seconds(self.median_s)} median, band {format_seconds(q1)}–"
+                f"{format_seconds(q3)} ({len(self.block_times_s)} blocks × {self.calls_per_block} calls, "
+                f"{self.device})")
 
 
 def format_seconds(seconds: float) -> str:
@@ -93,6 +112,55 @@ def format_seconds(seconds: float) -> str:
     return f"{seconds / 1e-9:.3g} ns"
 
 
+def _quartiles(values: Sequence[float]) -> tuple[float, float]:
+    if len(values) < 2:
+        return values[0], values[0]
+    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return q1, q3
+
+
+def _synchronised_clock(device: torch.device) -> Callable[[], float]:
+    def clock() -> float:
+        synchronize(device)
+        return time.perf_counter()
+
+    return clock
+
+
+def _block(fn: Callable[[], object], calls: int, clock: Callable[[], float]) -> float:
+    """Per-call seconds of ``calls`` back-to-back calls, the garbage collector paused (as ``timeit`` does)."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        start = clock()
+        for _ in range(calls):
+            fn()
+        return (clock() - start) / calls
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def _probe(fn: Callable[[], object], clock: Callable[[], float], enough_s: float) -> float:
+    """One call's time: up to three single calls (the fastest), fewer when one already lasts ``enough_s``."""
+    best = _block(fn, 1, clock)
+    for _ in range(2):
+        if best >= enough_s:
+            break
+        best = min(best, _block(fn, 1, clock))
+    return max(best, 1e-7)
+
+
+def _calls_per_block(per_block_s: float, one_call_s: float) -> int:
+    """Calls that fill a block of ``per_block_s`` (at least one; 1e-6 of slack for a ratio that rounds up)."""
+    return max(1, math.ceil(per_block_s / one_call_s - 1e-6))
+
+
+def _check_callable(fn: object, who: str) -> None:
+    if not callable(fn):
+        raise TypeError(f"{who} needs a callable taking no arguments, got {type(fn).__name__}: {fn!r:.60}")
+
+
 def bench(
     fn: Callable[[], object],
     *,
@@ -101,70 +169,59 @@ def bench(
     warmup: int = 3,
     min_run_time: float = 0.5,
     min_blocks: int = 7,
+    clock: Callable[[], float] | None = None,
 ) -> Timing:
     """Time ``fn()`` (no arguments: close over the inputs) and return its per-call :class:`Timing`.
 
+    For one rate or one cost. To say whether one thing is faster than another, use :func:`compare`, which times
+    them together.
+
     Args:
-        fn: the work to time. It must be callable with no arguments.
+        fn: the work to time.
         label: name shown in tables; defaults to the function's name.
         device: where the work runs, for synchronisation; default ``utils.env.get_device()``.
-        warmup: calls made (and synchronised) before any timing: they absorb one-time costs such as CUDA context
-            and cuBLAS handle creation, autotuning and compilation — report those separately.
+        warmup: calls made (and synchronised) before any timing: CUDA context and cuBLAS handles, autotuning and
+            compilation stay out (report those with :func:`first_call`).
         min_run_time: seconds of measurement at least; blocks last about ``min_run_time / min_blocks``.
-        min_blocks: measured blocks at least, so that the median and IQR rest on several samples even when one
+        min_blocks: measured blocks at least, so that the median and band rest on several samples even when one
             call is slower than ``min_run_time`` (then each block is one call).
+        clock: seconds since any origin; default: synchronise ``device``, then ``time.perf_counter()``.
 
     Raises:
         TypeError: if ``fn`` is not callable.
         ValueError: for a negative warmup, a non-positive min_run_time or fewer than 1 block.
+        utils.profile.ProfiledProcessError: when a profiler session already ran in this process.
     """
-    if not callable(fn):
-        raise TypeError(f"bench() needs a callable taking no arguments, got {type(fn).__name__}: {fn!r:.60}")
+    _check_callable(fn, "bench()")
     if warmup < 0 or min_run_time <= 0 or min_blocks < 1:
         raise ValueError(f"bench(): need warmup >= 0, min_run_time > 0, min_blocks >= 1 "
                          f"(got {warmup}, {min_run_time}, {min_blocks})")
+    assert_not_profiled("utils.bench.bench")
     device = get_device(device)
     label = label or getattr(fn, "__name__", "fn")
+    clock = clock or _synchronised_clock(device)
     for _ in range(warmup):
         fn()
     synchronize(device)
-
-    # The blocks run under the standard library's timeit.Timer, as torch.utils.benchmark.Timer's do, with a clock
-    # that synchronises the device being timed (that Timer's default syncs only the current one). Not through
-    # torch's Timer itself: its timeit(number) first runs max(number // 100, 2) untimed calls, which for a call of a
-    # second (a whole generation, a training epoch) tripled the time spent. The blocking policy is ours:
-    # blocked_autorange can settle on a single block lasting all of min_run_time, which leaves no spread to report.
-    def synchronised_clock() -> float:
-        synchronize(device)
-        return timeit.default_timer()
-
-    timer = timeit.Timer(stmt=fn, timer=synchronised_clock)
     per_block_s = min_run_time / min_blocks
-    one_call_s = timer.timeit(number=1)  # the probe: up to 3 single calls, fewer when one already fills a block
-    for _ in range(2):
-        if one_call_s >= 2 * per_block_s:
-            break
-        one_call_s = min(one_call_s, timer.timeit(number=1))
-    block = max(1, math.ceil(per_block_s / max(one_call_s, 1e-7)))
+    calls = _calls_per_block(per_block_s, _probe(fn, clock, 2 * per_block_s))
     times: list[float] = []
-    while len(times) < min_blocks or sum(times) * block < min_run_time:
-        times.append(timer.timeit(number=block) / block)
-    return _timing_from(label, times, block, device)
+    while len(times) < min_blocks or sum(times) * calls < min_run_time:
+        times.append(_block(fn, calls, clock))
+    return _timing_from(label, times, calls, device)
 
 
 def first_call(fn: Callable[[], T], *, device: torch.device | str | None = None) -> tuple[float, T]:
     """Seconds of one call of ``fn()``, synchronised before and after, and what it returned.
 
-    For the one-off costs that :func:`bench` keeps out of steady state on purpose (its warm-up absorbs them): a
-    first call that compiles, builds an extension or autotunes. Report them beside the steady-state time, never
-    inside it. One reading of ``time.perf_counter``, no repeats: a later call of the same ``fn`` measures
-    something else (the cached result).
+    For the one-off costs that :func:`bench` and :func:`compare` keep out of the steady state on purpose (their
+    warm-up absorbs them): a first call that compiles, builds an extension or autotunes. Report them beside the
+    steady-state time, never inside it.
 
     Raises:
         TypeError: if ``fn`` is not callable.
     """
-    if not callable(fn):
-        raise TypeError(f"first_call() needs a callable taking no arguments, got {type(fn).__name__}")
+    _check_callable(fn, "first_call()")
     device = get_device(device)
     synchronize(device)
     start = time.perf_counter()
@@ -173,13 +230,10 @@ def first_call(fn: Callable[[], T], *, device: torch.device | str | None = None)
     return time.perf_counter() - start, result
 
 
-def _timing_from(label: str, times: Sequence[float], calls_per_block: int, device: torch.device) -> Timing:
-    if len(times) >= 2:
-        q1, _, q3 = statistics.quantiles(times, n=4, method="inclusive")
-    else:
-        q1 = q3 = times[0]
-    return Timing(label=label, median_s=statistics.median(times), iqr_s=q3 - q1,
-                  block_times_s=tuple(times), calls_per_block=calls_per_block, device=str(device))
+def _timing_from(label: str, times: Sequence[float], calls_per_block: int, device: torch.device | str) -> Timing:
+    q1, q3 = _quartiles(times)
+    return Timing(label=label, median_s=statistics.median(times), iqr_s=q3 - q1, block_times_s=tuple(times),
+                  calls_per_block=calls_per_block, device=str(device))
 
 
 def gbps(bytes_moved: float, timing: Timing) -> float:
@@ -204,141 +258,623 @@ def percent_of(value: float, peak: float) -> float:
     return 100.0 * value / peak
 
 
-def speedup_table(timings: Sequence[Timing], *, baseline: int = 0) -> list[dict[str, object]]:
-    """Rows for a comparison table: label, median, IQR, speed-up against ``timings[baseline]`` and the verdict
-    of :func:`compare` (faster / slower / within the noise).
-
-    Pass the rows to ``utils.plot.table`` to print them.
-    """
-    if not timings:
-        raise ValueError("speedup_table() needs at least one Timing")
-    base = timings[baseline]
-    return [
-        {"variant": t.label, "median": format_seconds(t.median_s), "IQR": format_seconds(t.iqr_s),
-         "speed-up": _ratio(base.median_s / t.median_s),
-         "verdict": "baseline" if i == baseline else compare(base, t).short}
-        for i, t in enumerate(timings)
-    ]
-
-
-def _ratio(x: float) -> str:
+def ratio_text(x: float) -> str:
     """A speed-up or ratio: '1.29×', '0.85×', '0.0012×', '11,401×'."""
     if x >= 1000:
         return f"{x:,.0f}×"
     return f"{x:.2f}×" if x >= 0.1 else f"{x:.2g}×"
 
 
-# ── Verdicts: two timings and their noise → what a reader may conclude ──────────────────────────────────────
+# ── The verdict of a comparison ────────────────────────────────────────────────────────────────────────────
 
-#: Below this relative difference two timings are called the same even when their blocks do not overlap:
-#: on a GPU the same code measured again a minute later (other clocks, another thermal state) differs by a few
-#: percent, more than the spread inside one measurement shows.
-MIN_EFFECT = 0.05
+Outcome = Literal["faster", "slower", "same", "inconclusive"]
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """How ``variant`` compares with ``baseline``, from the speed-ups of paired rounds (baseline / variant).
+
+    ``band`` is a confidence interval of the median speed-up (:func:`median_interval`, 95% from 6 rounds up).
+    ``outcome`` is "faster" or "slower" (a resolved difference: the band excludes 1 and the median differs from 1
+    by more than ``resolution``), "same" (a resolved null: the whole band lies within ± ``resolution``) or
+    "inconclusive" (neither).
+    """
+
+    variant: str
+    baseline: str
+    speedup: float  # the median of the per-round ratios
+    band: tuple[float, float]  # a confidence interval of that median (:func:`median_interval`)
+    resolution: float
+    rounds: int
+    confidence: float = 0.95  # the interval's coverage
+
+    @property
+    def outcome(self) -> Outcome:
+        lo, hi = self.band
+        r = self.resolution
+        if lo > 1 and self.speedup > 1 + r:
+            return "faster"
+        if hi < 1 and 1 / self.speedup > 1 + r:
+            return "slower"
+        if lo >= 1 / (1 + r) and hi <= 1 + r:
+            return "same"
+        return "inconclusive"
+
+    @property
+    def band_text(self) -> str:
+        lo, hi = self.band
+        return f"band {lo:.2f}–{hi:.2f}×"
+
+    @property
+    def short(self) -> str:
+        """'1.62× faster', '1.18× slower', 'no difference > 3%' or 'inconclusive': for a table column."""
+        outcome = self.outcome
+        if outcome == "faster":
+            return f"{ratio_text(self.speedup)} faster"
+        if outcome == "slower":
+            return f"{ratio_text(1 / self.speedup)} slower"
+        if outcome == "same":
+            return f"no difference > {self.resolution:.0%}"
+        return "inconclusive"
+
+    @property
+    def text(self) -> str:
+        """The verdict as a phrase, with the band it rests on."""
+        outcome = self.outcome
+        if outcome in ("faster", "slower"):
+            return f"{self.short} ({self.band_text})"
+        if outcome == "same":
+            return f"no difference larger than {self.resolution:.0%} ({ratio_text(self.speedup)}, {self.band_text})"
+        return (f"could not resolve a {self.resolution:.0%} effect here ({ratio_text(self.speedup)}, "
+                f"{self.band_text}, {self.rounds} rounds)")
+
+    def explain(self, **reasons: str) -> str:
+        """The verdict followed by the measured reason given for *its* outcome, e.g.
+        ``verdict.explain(slower=f"pinning runs in the main thread: {pin_ms} ms per epoch")``.
+
+        Keys are outcomes ("faster", "slower", "same", "inconclusive"): a notebook passes a reason for each
+        outcome it can explain from its measurements, and the one printed is always the one that matches the
+        result. Without a reason for the outcome, the verdict stands alone.
+
+        Raises:
+            ValueError: for a key that is not an outcome.
+        """
+        unknown = set(reasons) - {"faster", "slower", "same", "inconclusive"}
+        if unknown:
+            raise ValueError(f"explain(): reasons are keyed by outcome (faster, slower, same, inconclusive), "
+                             f"got {sorted(unknown)}")
+        reason = reasons.get(self.outcome)
+        return f"{self}" + (f" — {reason}" if reason else "")
+
+    def __str__(self) -> str:
+        return f"{self.variant} vs {self.baseline}: {self.text}"
+
+
+def verdict_from_ratios(variant: str, baseline: str, ratios: Sequence[float], *,
+                        resolution: float = RESOLUTION) -> Verdict:
+    """The :class:`Verdict` of per-round speed-ups (baseline time / variant time, one per paired round).
+
+    Raises:
+        ValueError: for fewer than 2 ratios, a non-positive ratio or a resolution outside (0, 1).
+    """
+    if len(ratios) < 2:
+        raise ValueError(f"a verdict needs at least 2 paired rounds, got {len(ratios)}")
+    if any(not (r > 0 and math.isfinite(r)) for r in ratios):
+        raise ValueError(f"speed-up ratios must be positive and finite, got {list(ratios)}")
+    if not 0 < resolution < 1:
+        raise ValueError(f"resolution must be in (0, 1), e.g. 0.03 for 3%, got {resolution}")
+    low, high, confidence = median_interval(ratios)
+    return Verdict(variant, baseline, statistics.median(ratios), (low, high), resolution, len(ratios), confidence)
+
+
+def median_interval(values: Sequence[float], confidence: float = 0.95) -> tuple[float, float, float]:
+    """A distribution-free confidence interval of the median: ``(low, high, coverage)``.
+
+    The k-th smallest and k-th largest values bound the median with probability 1 − 2·P(Binomial(n, ½) < k),
+    whatever the distribution (the sign test's interval); k is the largest that keeps that at ``confidence``.
+    With fewer than 6 values no k reaches 95%: the interval is then the whole range, and ``coverage`` says how
+    much less it holds (e.g. 0.875 for 4 values).
+
+    Why not the quartiles: with 10 rounds of pure noise the quartiles of the ratios exclude 1 about a third of the
+    time, which would turn noise into "faster" or "slower"; this interval does so at most 5% of the time.
+    """
+    xs = sorted(values)
+    n = len(xs)
+    below = 0.0  # P(Binomial(n, 1/2) <= k - 1)
+    k, coverage = 1, 1 - 2 * 0.5**n
+    for j in range(1, n // 2 + 1):
+        below += math.comb(n, j - 1) * 0.5**n
+        if 1 - 2 * below >= confidence:
+            k, coverage = j, 1 - 2 * below
+        else:
+            break
+    return xs[k - 1], xs[n - k], coverage
+
+
+# ── Comparing variants: alternating rounds ──────────────────────────────────────────────────────────────────
+
+#: what a recorded figure of a comparison is: a variant's per-call time, its speed-up or its rate
+Quantity = Literal["time", "speedup", "rate"]
+
+
+@dataclass(frozen=True)
+class Work:
+    """What one call does, to turn times into a rate: ``amount`` of ``unit`` (bytes → GB/s, FLOP → TFLOP/s,
+    anything else → ``unit``/s)."""
+
+    amount: float | Mapping[str, float]
+    unit: str
+
+    def of(self, variant: str) -> float:
+        if isinstance(self.amount, Mapping):
+            if variant not in self.amount:
+                raise ValueError(f"no amount of work given for variant {variant!r}")
+            return float(self.amount[variant])
+        return float(self.amount)
+
+    @property
+    def rate_unit(self) -> str:
+        return {"bytes": "GB/s", "FLOP": "TFLOP/s"}.get(self.unit, f"{self.unit}/s")
+
+    def rate(self, variant: str, seconds: float) -> float:
+        scale = {"bytes": 1e9, "FLOP": 1e12}.get(self.unit, 1.0)
+        return self.of(variant) / seconds / scale
+
+
+def _work(bytes_moved, flops, items) -> Work | None:
+    given = [w for w in (bytes_moved, flops, items) if w is not None]
+    if len(given) > 1:
+        raise ValueError("give at most one of bytes_moved, flops and items")
+    if bytes_moved is not None:
+        return Work(bytes_moved, "bytes")
+    if flops is not None:
+        return Work(flops, "FLOP")
+    if items is not None:
+        if not (isinstance(items, tuple) and len(items) == 2 and isinstance(items[1], str)):
+            raise ValueError(f"items is (count, 'unit'), e.g. (4000, 'images'), got {items!r}")
+        return Work(items[0], items[1])
+    return None
+
+
+def _limit_value(limit) -> float | None:
+    if limit is None:
+        return None
+    value = limit.value if isinstance(limit, Rate) else float(limit)
+    if not value > 0:
+        raise ValueError(f"a limit must be positive, got {value}")
+    return value
 
 
 @dataclass(frozen=True)
 class Comparison:
-    """How ``candidate`` compares with ``baseline``: the speed-up and whether it is beyond the noise.
+    """Variants timed together in alternating rounds: one :class:`Timing` per variant (one block per round) and
+    one :class:`Verdict` per variant against the baseline, from the paired rounds. Build it with :func:`compare`
+    (or :meth:`from_rounds` for rounds timed elsewhere, e.g. by alternating ``torchrun`` launches).
 
-    ``speedup`` is baseline time / candidate time (above 1: the candidate is faster). The difference counts as
-    real (``outcome`` "faster" or "slower") only when the middle halves of the two sets of blocks do not overlap
-    *and* the medians differ by at least ``min_effect``; otherwise the outcome is "same".
+    In Jupyter a cell that ends with a Comparison shows its table and verdicts.
     """
 
-    baseline: Timing
-    candidate: Timing
-    min_effect: float = MIN_EFFECT
+    timings: dict[str, Timing]
+    baseline: str
+    resolution: float = RESOLUTION
+    work: Work | None = None
+    limit: float | None = None
+    limit_name: str = "limit"
+    title: str | None = None
+
+    # ── construction from rounds measured elsewhere ──
+    @classmethod
+    def from_rounds(cls, rounds: Mapping[str, Sequence[float]], *, baseline: str | None = None,
+                    resolution: float = RESOLUTION, device: str = "", calls_per_round: int = 1,
+                    **options) -> Comparison:
+        """A comparison of per-call times measured elsewhere in alternating rounds: ``rounds[variant][i]`` is the
+        variant's per-call seconds in round ``i``; every variant has the same number of rounds (≥ 2).
+
+        Raises:
+            ValueError: for fewer than two variants, unequal or too few rounds, a non-positive time, or a baseline
+                that is not a variant.
+        """
+        if len(rounds) < 2:
+            raise ValueError(f"a comparison needs at least two variants, got {list(rounds)}")
+        lengths = {name: len(times) for name, times in rounds.items()}
+        if len(set(lengths.values())) != 1 or min(lengths.values()) < 2:
+            raise ValueError(f"every variant needs the same number of rounds, at least 2: got {lengths}")
+        for name, times in rounds.items():
+            if any(not (t > 0 and math.isfinite(t)) for t in times):
+                raise ValueError(f"times must be positive and finite: {name!r} has {list(times)}")
+        baseline = next(iter(rounds)) if baseline is None else baseline
+        if baseline not in rounds:
+            raise ValueError(f"baseline {baseline!r} is not one of the variants {list(rounds)}")
+        timings = {name: _timing_from(name, list(times), calls_per_round, device) for name, times in rounds.items()}
+        return cls(timings, baseline, resolution, **options)
+
+    # ── the numbers ──
+    @property
+    def variants(self) -> list[str]:
+        return list(self.timings)
 
     @property
-    def speedup(self) -> float:
-        return self.baseline.median_s / self.candidate.median_s
+    def rounds(self) -> int:
+        return len(self.timings[self.baseline].block_times_s)
+
+    def ratios(self, variant: str) -> list[float]:
+        """Per-round speed-ups of ``variant``: the baseline's per-call time over the variant's, round by round."""
+        base = self.timings[self.baseline].block_times_s
+        return [b / v for b, v in zip(base, self._timing(variant).block_times_s, strict=True)]
+
+    def verdict(self, variant: str | None = None) -> Verdict:
+        """The verdict of ``variant`` (default: the only, or last, variant besides the baseline)."""
+        variant = self._default(variant)
+        return verdict_from_ratios(variant, self.baseline, self.ratios(variant), resolution=self.resolution)
+
+    def speedup(self, variant: str | None = None) -> float:
+        """The median per-round speed-up of ``variant`` over the baseline (the number every verdict uses)."""
+        return self.verdict(variant).speedup
+
+    def time_s(self, variant: str | None = None) -> float:
+        """The median per-call seconds of ``variant``."""
+        return self._timing(self._default(variant) if variant is None else variant).median_s
+
+    def rate(self, variant: str | None = None) -> float:
+        """Work per second of ``variant`` at its median time (GB/s, TFLOP/s or items/s).
+
+        Raises:
+            ValueError: when the comparison was given no work (bytes_moved, flops or items).
+        """
+        if self.work is None:
+            raise ValueError("this comparison has no rate: pass bytes_moved=, flops= or items= to compare()")
+        variant = self._default(variant) if variant is None else variant
+        return self.work.rate(variant, self._timing(variant).median_s)
 
     @property
-    def outcome(self) -> Literal["faster", "slower", "same"]:
-        (b1, b3), (c1, c3) = self.baseline.quartiles_s, self.candidate.quartiles_s
-        if c3 < b1 and self.speedup >= 1 + self.min_effect:
-            return "faster"
-        if c1 > b3 and 1 / self.speedup >= 1 + self.min_effect:
-            return "slower"
-        return "same"
+    def fastest(self) -> str:
+        """The variant with the shortest median time."""
+        return min(self.timings, key=lambda name: self.timings[name].median_s)
 
-    @property
-    def short(self) -> str:
-        """'1.29× faster', '1.18× slower' or 'same (noise)': for a table column."""
-        if self.outcome == "faster":
-            return f"{_ratio(self.speedup)} faster"
-        if self.outcome == "slower":
-            return f"{_ratio(1 / self.speedup)} slower"
-        return "same (noise)"
+    def _timing(self, variant: str) -> Timing:
+        if variant not in self.timings:
+            raise KeyError(f"{variant!r} is not a variant of this comparison: {self.variants}")
+        return self.timings[variant]
 
-    @property
-    def verdict(self) -> str:
-        """A phrase for a sentence, e.g. 'no difference beyond the noise (1.02×; the middle halves of their timings
-        overlap)'."""
-        if self.outcome == "faster":
-            return f"{_ratio(self.speedup)} faster"
-        if self.outcome == "slower":
-            return f"slower: it takes {_ratio(1 / self.speedup)} as long"
-        why = ("the middle halves of their timings overlap" if self._overlap() else
-               f"under the {self.min_effect:.0%} that separates real differences from run-to-run drift")
-        return f"no difference beyond the noise ({_ratio(self.speedup)}; {why})"
+    def _default(self, variant: str | None) -> str:
+        if variant is not None:
+            self._timing(variant)
+            return variant
+        others = [v for v in self.timings if v != self.baseline]
+        return others[-1]
 
-    def _overlap(self) -> bool:
-        (b1, b3), (c1, c3) = self.baseline.quartiles_s, self.candidate.quartiles_s
-        return not (c3 < b1 or c1 > b3)
+    # ── what a reader sees ──
+    def rows(self) -> list[dict[str, object]]:
+        """Table rows: variant, median time per call, its band, rate and % of the limit (when given), speed-up
+        over the baseline and the verdict."""
+        rows = []
+        for name, t in self.timings.items():
+            q1, q3 = t.quartiles_s
+            row: dict[str, object] = {"variant": name, "per call": format_seconds(t.median_s),
+                                      "band": f"{format_seconds(q1)}–{format_seconds(q3)}"}
+            if self.work is not None:
+                rate = self.rate(name)
+                row[self.work.rate_unit] = _number(rate)
+                if self.limit is not None:
+                    row[f"% of {self.limit_name}"] = f"{percent_of(rate, self.limit):.0f}%"
+            if name == self.baseline:
+                row["speed-up"], row["verdict"] = "1.00×", "baseline"
+            else:
+                v = self.verdict(name)
+                row["speed-up"], row["verdict"] = ratio_text(v.speedup), v.short
+            rows.append(row)
+        return rows
 
-    def explain(self, expected: Literal["faster", "slower", "same"] = "faster", *, why: str | None = None) -> str:
-        """The verdict against an expectation: 'as expected, 1.29× faster' or, when the measurement disagrees,
-        the verdict followed by ``why`` — the reason the notebook measured (e.g. 'the GPU is idle 60% of the
-        step')."""
-        label = f"{self.candidate.label} vs {self.baseline.label}: "
-        if self.outcome == expected:
-            return label + f"{self.verdict}, as expected"
-        return label + self.verdict + (f" — {why}" if why else "")
+    def table(self) -> None:
+        """Print the table (the title says rounds and resolution)."""
+        from utils.plot import format_table
+
+        print(format_table(self.rows(), title=self._title()))
+
+    def _title(self) -> str:
+        head = f"{self.title}: " if self.title else ""
+        return (f"{head}{len(self.timings)} variants timed in {self.rounds} alternating rounds "
+                f"(speed-up: median of the per-round ratios; verdicts resolve ±{self.resolution:.0%})")
+
+    def plot(self, *, title: str | None = None, log: bool | None = None):
+        """Horizontal bars of the median time per call (or the rate, when work was given), each with its band;
+        the limit as a line. A log axis is chosen when the bars span more than 20× (``log`` forces it)."""
+        from utils.plot import bar
+
+        names = self.variants
+        if self.work is not None:
+            values = [self.rate(n) for n in names]
+            bands = [tuple(self.work.rate(n, s) for s in reversed(self.timings[n].quartiles_s)) for n in names]
+            label = self.work.rate_unit
+        else:
+            values = [self.timings[n].median_s * 1e3 for n in names]
+            bands = [tuple(s * 1e3 for s in self.timings[n].quartiles_s) for n in names]
+            label = "time per call (ms), median and band"
+        errors = [(max(v - lo, 0.0), max(hi - v, 0.0)) for v, (lo, hi) in zip(values, bands, strict=True)]
+        log = log if log is not None else max(values) > 20 * min(values)
+        return bar(names, values, errors=errors, horizontal=True, ylabel=label, log=log,
+                   reference=self.limit if self.work is not None else None,
+                   reference_label=self.limit_name if self.limit is not None else None,
+                   title=title or self.title or "Variants timed in alternating rounds")
 
     def __str__(self) -> str:
-        return f"{self.candidate.label} vs {self.baseline.label}: {self.verdict}"
+        from utils.plot import format_table
+
+        lines = [format_table(self.rows(), title=self._title())]
+        lines += [str(self.verdict(v)) for v in self.timings if v != self.baseline]
+        return "\n".join(lines)
+
+    def _repr_pretty_(self, printer, cycle: bool) -> None:  # IPython: a cell ending with a Comparison shows it
+        printer.text(str(self))
+
+    # ── recording ──
+    def record(self, figures: Mapping[str, str | tuple[str, Quantity]]) -> None:
+        """Record figures with :func:`utils.results.record`: ``{figure name: variant}`` records the variant's
+        speed-up over the baseline (unit "x", with its band), or for the baseline its time per call (unit "s");
+        ``{figure name: (variant, quantity)}`` picks the quantity: "time", "speedup" or "rate" (with the limit).
+
+        Raises:
+            ValueError: for an unknown quantity or a rate without work; KeyError for an unknown variant.
+        """
+        from utils import results
+
+        for name, spec in figures.items():
+            variant, quantity = (spec, None) if isinstance(spec, str) else spec
+            self._timing(variant)
+            quantity = quantity or ("time" if variant == self.baseline else "speedup")
+            if quantity == "time":
+                t = self.timings[variant]
+                results.record(name, t.median_s, "s", band=t.quartiles_s)
+            elif quantity == "speedup":
+                v = self.verdict(variant)
+                results.record(name, v.speedup, "x", band=v.band)
+            elif quantity == "rate":
+                t = self.timings[variant]
+                lo, hi = (self.work.rate(variant, s) for s in reversed(t.quartiles_s)) if self.work else (0, 0)
+                results.record(name, self.rate(variant), self.work.rate_unit, band=(lo, hi), limit=self.limit,
+                               limit_name=self.limit_name if self.limit is not None else None)
+            else:
+                raise ValueError(f"record(): quantity is 'time', 'speedup' or 'rate', got {quantity!r}")
 
 
-def compare(baseline: Timing, candidate: Timing, *, min_effect: float = MIN_EFFECT) -> Comparison:
-    """Compare two timings of the same work: see :class:`Comparison` for what counts as beyond the noise.
+def _number(x: float) -> str:
+    if abs(x) >= 100:
+        return f"{x:,.0f}"
+    return f"{x:.3g}"
+
+
+def compare(
+    variants: Mapping[str, Callable[[], object]],
+    *,
+    baseline: str | None = None,
+    rounds: int = 12,
+    min_run_time: float = 1.0,
+    warmup: int = 2,
+    resolution: float = RESOLUTION,
+    device: torch.device | str | None = None,
+    bytes_moved: float | Mapping[str, float] | None = None,
+    flops: float | Mapping[str, float] | None = None,
+    items: tuple[float, str] | None = None,
+    limit: Rate | float | None = None,
+    limit_name: str | None = None,
+    title: str | None = None,
+    record: Mapping[str, str | tuple[str, Quantity]] | None = None,
+    clock: Callable[[], float] | None = None,
+    progress: bool | None = None,
+) -> Comparison:
+    """Time every variant in alternating rounds and return the :class:`Comparison` (one number and one verdict
+    per variant). The course's one way to say "A is faster than B".
+
+    Args:
+        variants: name → a callable without arguments (close over the inputs: the same inputs for every variant).
+            Two at least; the first is the baseline unless ``baseline`` names another.
+        rounds: paired rounds; each times one block of every variant, the order reversed every other round.
+        min_run_time: seconds of measurement in all (after warm-up); a block lasts about
+            ``min_run_time / (rounds × variants)``, at least one call.
+        warmup: calls of each variant first (compilation, autotuning, allocator growth stay out).
+        resolution: the smallest effect the verdict should resolve (0.03: 3%).
+        bytes_moved / flops / items: the work of one call (a number, or one per variant), for a rate column:
+            GB/s, TFLOP/s, or ``(count, "images")`` → images/s.
+        limit, limit_name: a rate measured on this machine (a :class:`Rate` or a number in the rate's unit) to put
+            each rate against ("% of copy bandwidth").
+        title: what is compared, for the table and plot.
+        record: figures to record (:meth:`Comparison.record`).
+        clock: seconds since any origin; default: synchronise the device, then ``time.perf_counter()``.
+        progress: show a progress bar over the rounds; default: when the measurement will take over 5 s.
 
     Raises:
-        TypeError: if either is not a :class:`Timing`.
-        ValueError: for a ``min_effect`` outside [0, 1) or a non-positive median.
+        TypeError: if a variant is not callable.
+        ValueError: for fewer than two variants, fewer than 2 rounds, a non-positive min_run_time, a negative
+            warmup, an unknown baseline or a resolution outside (0, 1).
+        utils.profile.ProfiledProcessError: when a profiler session already ran in this process.
     """
-    if not isinstance(baseline, Timing) or not isinstance(candidate, Timing):
-        raise TypeError(f"compare() takes two Timing objects from bench(), got {type(baseline).__name__} and "
-                        f"{type(candidate).__name__}")
-    if not 0 <= min_effect < 1:
-        raise ValueError(f"min_effect must be in [0, 1), got {min_effect}")
-    if baseline.median_s <= 0 or candidate.median_s <= 0:
-        raise ValueError("compare() needs positive median times")
-    return Comparison(baseline, candidate, min_effect)
+    if not isinstance(variants, Mapping) or len(variants) < 2:
+        raise ValueError("compare() needs a dict of at least two variants, name → callable")
+    for name, fn in variants.items():
+        _check_callable(fn, f"compare(): variant {name!r}")
+    if rounds < 2 or min_run_time <= 0 or warmup < 0:
+        raise ValueError(f"compare(): need rounds >= 2, min_run_time > 0, warmup >= 0 "
+                         f"(got {rounds}, {min_run_time}, {warmup})")
+    if not 0 < resolution < 1:
+        raise ValueError(f"resolution must be in (0, 1), e.g. 0.03 for 3%, got {resolution}")
+    baseline = next(iter(variants)) if baseline is None else baseline
+    if baseline not in variants:
+        raise ValueError(f"baseline {baseline!r} is not one of the variants {list(variants)}")
+    work = _work(bytes_moved, flops, items)
+    limit_value = _limit_value(limit)
+    assert_not_profiled("utils.bench.compare")
+    device = get_device(device)
+    clock = clock or _synchronised_clock(device)
+    names = list(variants)
+
+    for name in names:
+        for _ in range(warmup):
+            variants[name]()
+    synchronize(device)
+    per_block_s = min_run_time / (rounds * len(names))
+    calls = {name: _calls_per_block(per_block_s, _probe(variants[name], clock, 2 * per_block_s)) for name in names}
+    times: dict[str, list[float]] = {name: [] for name in names}
+    order = list(range(rounds))
+    if progress is None:
+        progress = rounds * len(names) * per_block_s > 5.0
+    if progress:
+        from tqdm.auto import tqdm
+
+        order = tqdm(order, desc=f"{title or 'comparison'}: rounds", leave=False)
+    for r in order:
+        for name in (names if r % 2 == 0 else reversed(names)):
+            times[name].append(_block(variants[name], calls[name], clock))
+    timings = {name: _timing_from(name, times[name], calls[name], device) for name in names}
+    result = Comparison(timings, baseline, resolution, work, limit_value,
+                        limit_name or (limit.name if isinstance(limit, Rate) else "limit"), title)
+    if record:
+        result.record(record)
+    return result
 
 
-def retimed(reference: Timing, again: Timing, *, then: str = "before", now: str = "now") -> tuple[bool, str]:
-    """A guard for timings taken later in a run: the same work timed earlier (``reference``) and ``again`` now.
+# ── A sweep: one comparison per size, each variant checked first ───────────────────────────────────────────
 
-    If the two differ beyond the noise, whatever changed in between (the clock under a power or thermal limit,
-    other processes on the host, a finished ``torch.profiler`` session that left its hooks attached) also weighs
-    on everything timed beside ``again``: those timings compare with each other, not with the earlier ones.
 
-    Returns ``(changed, text)``: ``changed`` by :func:`compare`'s rule (the middle halves of the two sets of blocks
-    apart *and* the medians at least :data:`MIN_EFFECT` apart); ``text`` gives both medians with their IQRs, named
-    by ``now`` and ``then`` (e.g. "here", "in section 5"), and, when changed, a ⚠ warning that says which way.
+@dataclass(frozen=True)
+class Sweep:
+    """Rates of several variants over sizes, each size a :class:`Comparison`. Build it with :func:`sweep`."""
+
+    sizes: list[int]
+    comparisons: list[Comparison]
+    checked: dict[str, str]  # variant → what its outputs were checked against, or why not
+    size_label: str = "size"
+    format_size: Callable[[int], str] = str
+    title: str | None = None
+
+    @property
+    def variants(self) -> list[str]:
+        return self.comparisons[0].variants
+
+    @property
+    def unit(self) -> str:
+        work = self.comparisons[0].work
+        return work.rate_unit if work is not None else "s"
+
+    def rates(self, variant: str) -> list[float]:
+        """The variant's rate at every size (its time per call, in seconds, when no work was given)."""
+        if self.comparisons[0].work is None:
+            return [c.timings[variant].median_s for c in self.comparisons]
+        return [c.rate(variant) for c in self.comparisons]
+
+    def rows(self) -> list[dict[str, object]]:
+        rows = []
+        for size, c in zip(self.sizes, self.comparisons, strict=True):
+            row: dict[str, object] = {self.size_label: self.format_size(size)}
+            for v in self.variants:
+                row[f"{v} ({self.unit})"] = _number(c.rate(v) if c.work else c.timings[v].median_s)
+            for v in self.variants[1:] if len(self.variants) == 2 else []:
+                row["verdict"] = c.verdict(v).short
+            rows.append(row)
+        return rows
+
+    def table(self) -> None:
+        from utils.plot import format_table
+
+        print(format_table(self.rows(), title=self._title()))
+        for variant, how in self.checked.items():
+            print(f"  {variant}: {how}")
+
+    def _title(self) -> str:
+        c = self.comparisons[0]
+        limit = f"; {c.limit_name} {_number(c.limit)} {self.unit}" if c.limit is not None else ""
+        return (f"{self.title + ': ' if self.title else ''}{len(self.variants)} variants × {len(self.sizes)} sizes, "
+                f"each size timed in {c.rounds} alternating rounds{limit}")
+
+    def plot(self, *, title: str | None = None, logy: bool = False):
+        """One line per variant, rate against size (log x), the limit as a dashed line."""
+        from utils.plot import curves
+
+        c = self.comparisons[0]
+        hlines = {f"{c.limit_name} ({_number(c.limit)} {self.unit})": c.limit} if c.limit is not None else None
+        return curves({v: (self.sizes, self.rates(v)) for v in self.variants}, xlabel=f"{self.size_label} (log scale)",
+                      ylabel=self.unit, logx=True, logy=logy, hlines=hlines,
+                      title=title or self.title or f"{self.unit} by {self.size_label}")
+
+    def __str__(self) -> str:
+        from utils.plot import format_table
+
+        return "\n".join([format_table(self.rows(), title=self._title()),
+                          *(f"  {v}: {how}" for v, how in self.checked.items())])
+
+    def _repr_pretty_(self, printer, cycle: bool) -> None:
+        printer.text(str(self))
+
+
+def sweep(
+    factories: Mapping[str, Callable[[int], Callable[[], object]]],
+    sizes: Sequence[int],
+    *,
+    reference: Callable[[int], object] | None = None,
+    check: Callable[[object, object], None] | None = None,
+    bytes_moved: Callable[[int], float] | None = None,
+    flops: Callable[[int], float] | None = None,
+    limit: Rate | float | None = None,
+    limit_name: str | None = None,
+    size_label: str = "size",
+    format_size: Callable[[int], str] = str,
+    title: str | None = None,
+    rounds: int = 6,
+    min_run_time: float = 0.3,
+    resolution: float = RESOLUTION,
+    device: torch.device | str | None = None,
+    record: Mapping[str, str] | None = None,
+    progress: bool = True,
+) -> Sweep:
+    """Sizes × variants → a rate per variant and size, against a limit measured here, each variant checked first.
+
+    Args:
+        factories: name → a function of the size that prepares the inputs and returns the call to time.
+        sizes: the sizes, in increasing order.
+        reference: a function of the size that returns the expected output; every variant's output at every size is
+            checked against it before timing (``check``, default ``torch.testing.assert_close``). Without it the
+            sweep says that nothing was checked.
+        bytes_moved / flops: the work of one call as a function of the size (→ GB/s or TFLOP/s).
+        limit, limit_name: the rate to put every point against (a :class:`Rate` measured here, or a number).
+        rounds, min_run_time, resolution: per size, as in :func:`compare`.
+        record: ``{figure name: variant}``: records that variant's rate at the largest size (with the limit).
 
     Raises:
-        TypeError: if either is not a :class:`Timing`.
+        ValueError: for no sizes, sizes out of order, fewer than two variants, or a variant whose output differs
+            from the reference (the message names the variant and the size).
     """
-    c = compare(reference, again)
-    text = (f"{again.label}: {format_seconds(again.median_s)} (IQR {format_seconds(again.iqr_s)}) {now}, "
-            f"{format_seconds(reference.median_s)} (IQR {format_seconds(reference.iqr_s)}) {then}")
-    if c.outcome == "same":
-        return False, text + " — the same within the noise"
-    ratio, way = (1 / c.speedup, "slower") if c.outcome == "slower" else (c.speedup, "faster")
-    return True, (text + f" — ⚠ {_ratio(ratio)} {way} {now}, beyond the noise: the conditions changed in between, "
-                         f"so compare what was timed {now} with each other, not with what was timed {then}")
+    if not sizes or list(sizes) != sorted(sizes):
+        raise ValueError(f"sweep() needs sizes in increasing order, got {list(sizes)}")
+    if len(factories) < 2:
+        raise ValueError("sweep() needs at least two variants")
+    check = check or (lambda actual, expected: torch.testing.assert_close(actual, expected))
+    comparisons = []
+    steps = sizes
+    if progress:
+        from tqdm.auto import tqdm
+
+        steps = tqdm(sizes, desc=f"{title or 'sweep'}: sizes", leave=False)
+    for size in steps:
+        fns = {name: make(size) for name, make in factories.items()}
+        if reference is not None:
+            expected = reference(size)
+            for name, fn in fns.items():
+                try:
+                    check(fn(), expected)
+                except AssertionError as err:
+                    raise ValueError(f"sweep(): {name!r} differs from the reference at {size_label} "
+                                     f"{format_size(size)}: {str(err).splitlines()[0]}") from err
+        comparisons.append(compare(fns, rounds=rounds, min_run_time=min_run_time, resolution=resolution,
+                                   device=device, limit=limit, limit_name=limit_name, title=title,
+                                   bytes_moved=bytes_moved(size) if bytes_moved else None,
+                                   flops=flops(size) if flops else None, progress=False))
+        del fns
+    checked = {name: ("checked against the reference at every size" if reference is not None
+                      else "not checked: no reference was given") for name in factories}
+    result = Sweep(list(sizes), comparisons, checked, size_label, format_size, title)
+    if record:
+        largest = comparisons[-1]
+        largest.record({name: (variant, "rate" if largest.work else "time") for name, variant in record.items()})
+    return result
 
 
 # ── Peaks measured on this machine ─────────────────────────────────────────────────────────────────────────
@@ -359,6 +895,7 @@ class Rate:
     unit: str
     timing: Timing
     conditions: GpuConditions | None = None
+    notes: dict[str, object] = field(default_factory=dict)
 
     def __str__(self) -> str:
         text = f"{self.name}: {self.value:.4g} {self.unit} ({format_seconds(self.timing.median_s)} per call)"
@@ -366,12 +903,26 @@ class Rate:
             text += f"; {self.conditions}"
         return text
 
+    def record(self, name: str, **kwargs) -> Rate:
+        """Record this rate as a headline figure (:func:`utils.results.record`); returns itself."""
+        from utils import results
 
-def copy_bandwidth(device: torch.device | str | None = None, *, nbytes: int | None = None) -> Rate:
+        results.record(name, self.value, self.unit, band=_rate_band(self), **kwargs)
+        return self
+
+
+def _rate_band(rate: Rate) -> tuple[float, float]:
+    q1, q3 = rate.timing.quartiles_s
+    return rate.value * rate.timing.median_s / q3, rate.value * rate.timing.median_s / q1
+
+
+def copy_bandwidth(device: torch.device | str | None = None, *, nbytes: int | None = None,
+                   record: str | None = None) -> Rate:
     """Device-memory copy bandwidth: ``dst.copy_(src)`` on a buffer far larger than the caches.
 
     Counts bytes read plus bytes written (2 × nbytes), the convention of STREAM-copy and of every
     "% of copy bandwidth" in this course. Default size: 1 GiB on a GPU (fits any card with 4 GiB), 256 MiB on CPU.
+    ``record``: a figure name to record the rate under.
     """
     device = get_device(device)
     if nbytes is None:
@@ -380,7 +931,25 @@ def copy_bandwidth(device: torch.device | str | None = None, *, nbytes: int | No
     dst = torch.empty_like(src)
     with gpu_conditions(device) as conditions:
         timing = bench(lambda: dst.copy_(src), label="copy", device=device, min_run_time=0.3)
-    return Rate("copy bandwidth (read + write)", gbps(2 * src.nbytes, timing), "GB/s", timing, conditions)
+    rate = Rate("copy bandwidth (read + write)", gbps(2 * src.nbytes, timing), "GB/s", timing, conditions)
+    return rate.record(record) if record else rate
+
+
+def _burst_n(a_b: Callable[[int], tuple[torch.Tensor, torch.Tensor]], n: int, device: torch.device,
+             budget_s: float) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """The largest n (halving from ``n``, not below 1024) whose product lasts at most ``budget_s``: a burst must be
+    short on a slow GPU too (an 8192³ fp32 product takes about a quarter of a second on a T4)."""
+    while True:
+        a, b = a_b(n)
+        for _ in range(2):  # cuBLAS handle and kernel selection
+            a @ b
+        synchronize(device)
+        start = time.perf_counter()
+        a @ b
+        synchronize(device)
+        if time.perf_counter() - start <= budget_s or n <= 1024:
+            return n, a, b
+        n //= 2
 
 
 def matmul_rate(
@@ -390,17 +959,19 @@ def matmul_rate(
     n: int | None = None,
     tf32: bool = False,
     kind: Literal["sustained", "burst"] = "sustained",
+    record: str | None = None,
 ) -> Rate:
     """Dense matmul rate of an n×n×n product on random data (2·n³ FLOP per call), with the GPU's state meanwhile.
 
     ``kind="sustained"`` (default): half a second of products to heat up, then at least :data:`SUSTAINED_S`
     seconds measured — the rate a long job holds under the GPU's power and thermal limits, and the one later
     notebooks divide by. ``kind="burst"``: after a one-second rest, about :data:`BURST_S` seconds of products —
-    the boost-clock rate a short job sees. On a CPU both are shorter (0.5 s and 0.1 s): there is no GPU power
-    cap to reach, and the run time of the CPU notebooks is budgeted.
+    the boost-clock rate a short job sees; n is halved until one product lasts at most a tenth of that, so the
+    burst stays short on a slow GPU. On a CPU both are shorter (0.5 s and 0.1 s).
 
     ``tf32=True`` lets fp32 matmuls use TF32 tensor cores (``torch.set_float32_matmul_precision("high")``);
-    the previous setting is restored afterwards. Default n: 8192 on a GPU, 1024 on CPU.
+    the previous setting is restored afterwards. Default n: 8192 on a GPU, 1024 on CPU. ``record``: a figure name
+    to record the rate under.
 
     Raises:
         ValueError: for a ``kind`` other than "sustained" or "burst".
@@ -410,21 +981,22 @@ def matmul_rate(
     device = get_device(device)
     on_gpu = device.type == "cuda"
     n = n or (8192 if on_gpu else 1024)
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
+
+    def operands(size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return (torch.randn(size, size, device=device, dtype=dtype), torch.randn(size, size, device=device, dtype=dtype))
+
     previous = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("high" if tf32 else "highest")
     name = "tf32" if (tf32 and dtype == torch.float32) else str(dtype).removeprefix("torch.")
     try:
         if kind == "burst":
-            for _ in range(2):  # cuBLAS handle and kernel selection, before the rest
-                a @ b
-            synchronize(device)
+            n, a, b = _burst_n(operands, n, device, BURST_S / 10) if on_gpu else (n, *operands(n))
             time.sleep(1.0 if on_gpu else 0.0)
             with gpu_conditions(device) as conditions:
                 timing = bench(lambda: a @ b, label=f"matmul {name}", device=device, warmup=1, min_blocks=5,
                                min_run_time=BURST_S if on_gpu else 0.1)
         else:
+            a, b = operands(n)
             heat_until = time.perf_counter() + (0.5 if on_gpu else 0.05)
             while time.perf_counter() < heat_until:
                 a @ b
@@ -434,7 +1006,9 @@ def matmul_rate(
                                min_run_time=SUSTAINED_S if on_gpu else 0.5)
     finally:
         torch.set_float32_matmul_precision(previous)
-    return Rate(f"matmul {name} (n={n}), {kind}", tflops(2 * n**3, timing), "TFLOP/s", timing, conditions)
+    rate = Rate(f"matmul {name} (n={n}), {kind}", tflops(2 * n**3, timing), "TFLOP/s", timing, conditions,
+                {"n": n, "kind": kind})
+    return rate.record(record) if record else rate
 
 
 def host_to_device_bandwidth(

@@ -87,6 +87,7 @@ def bar(
     horizontal: bool = False,
     highlight: Sequence[int] = (),
     value_range: tuple[float, float] | None = None,
+    log: bool = False,
 ):
     """Bars with their values written on them, optional error bars (e.g. IQR) and a reference line (a peak).
 
@@ -97,7 +98,8 @@ def bar(
     ``value_range`` zooms the value axis (e.g. accuracies between 90 and 96%, so that differences and their error
     bars are visible); the title should say the axis does not start at zero. Horizontal bars (long labels) get at
     most five value ticks with thousands separators, and the reference line's legend below the axes, so that the
-    labels leave the axes their width. Returns the Figure.
+    labels leave the axes their width. ``log`` draws the value axis on a log scale, so that a bar 100× shorter than
+    another stays visible (the title should say so). Returns the Figure.
     """
     if len(labels) != len(values) or (errors is not None and len(errors) != len(values)):
         raise ValueError("bar(): labels, values (and errors) must have the same length")
@@ -137,6 +139,10 @@ def bar(
             fig.legend(*ax.get_legend_handles_labels(), loc="lower center", fontsize=9, frameon=False)
         else:
             ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9, frameon=False)  # outside: no overlap
+    if log:
+        (ax.set_xscale if horizontal else ax.set_yscale)("log")
+        axis = ax.xaxis if horizontal else ax.yaxis
+        axis.set_major_formatter(FuncFormatter(lambda v, _: _tick(v)))
     if value_range is not None:
         (ax.set_xlim if horizontal else ax.set_ylim)(*value_range)
     ax.set_title(title)

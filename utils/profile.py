@@ -19,6 +19,7 @@ dispatch between them.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import time
@@ -33,6 +34,60 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from utils.env import get_device, synchronize
+
+# ── Profiling never precedes a timing in the same process ──────────────────────────────────────────────────
+
+#: Where each profiler session of this process was opened (utils.bench refuses to time after the first one).
+_SESSIONS: list[str] = []
+
+
+class ProfiledProcessError(RuntimeError):
+    """A timing was asked for after a profiler session ran in this process."""
+
+
+def mark_profiled(where: str) -> None:
+    """Note that a profiler session ran in this process (``where``: what opened it)."""
+    _SESSIONS.append(where)
+
+
+def profiled() -> str | None:
+    """What opened the first profiler session of this process, or None when none has run (or one is running)."""
+    if _SESSIONS:
+        return _SESSIONS[0]
+    if getattr(torch.autograd.profiler, "_is_profiler_enabled", False):
+        return "a torch.profiler session that is still open"
+    return None
+
+
+def assert_not_profiled(what: str) -> None:
+    """Raise :class:`ProfiledProcessError` when a profiler session has run in this process.
+
+    A finished ``torch.profiler`` session can leave NVIDIA's CUPTI attached (Kineto tears it down only with
+    ``TEARDOWN_CUPTI=1``, which PyTorch turns off where it crashed with CUDA graphs), and host-bound code then runs
+    slower for the rest of the process (pytorch/pytorch#144455): a timing taken after a profile does not compare
+    with one taken before it. So the course times first and profiles afterwards, and this guard makes the order a
+    rule rather than a habit. :func:`utils.bench.bench` and :func:`utils.bench.compare` call it.
+    """
+    first = profiled()
+    if first is not None:
+        raise ProfiledProcessError(
+            f"{what}: a profiler session already ran in this process ({first}). A finished profile can leave "
+            "CUPTI attached and slow host-bound code, so timings after it do not compare with timings before it. "
+            "Take every timing before the first profile: restart the kernel and run the cells in order.")
+
+
+@contextlib.contextmanager
+def session(**options):
+    """``torch.profiler.profile(**options)`` as a context manager that also marks this process as profiled, so that
+    no timing follows it (:func:`assert_not_profiled`). Use it wherever a notebook opens a profiler itself::
+
+        with utils.profile.session(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            step()
+        print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=8))
+    """
+    mark_profiled("utils.profile.session")
+    with profile(**options) as prof:
+        yield prof
 
 #: Kernel and operator names of matrix multiplies: cuBLAS/cuBLASLt (gemm, nvjet, xmma, cutlass), Triton matmul
 #: templates, and the ATen operators on a CPU.
@@ -432,7 +487,8 @@ def profile_steps(
     the environment variable ``TEARDOWN_CUPTI=1`` is set, and host-bound code can run slower for the rest of the
     process (pytorch/pytorch#144455). This helper does not set it: PyTorch turns the teardown off where it crashed
     with CUDA graphs (before CUDA 12.6), and back-to-back sessions have raced with it (pytorch/kineto#1169, #1554).
-    So take the timings a notebook compares before its first profile, or time both sides of a comparison after it.
+    So after this call :func:`utils.bench.bench` and :func:`utils.bench.compare` refuse to time in this process
+    (:func:`assert_not_profiled`): take the timings first, then profile to explain them.
 
     Raises:
         TypeError: if ``fn`` is not callable.
@@ -447,6 +503,7 @@ def profile_steps(
     for _ in range(warmup):
         fn()
     synchronize(device)
+    mark_profiled(f"utils.profile.profile_steps of {getattr(fn, '__name__', 'a step')}")
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
     saved_fd, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 2)  # the profiler's C++ side logs 'profiler start/stop' lines to stderr: keep them out
