@@ -289,6 +289,8 @@ def test_record_inside_the_measuring_call():
     speed = results.RECORDED["overlap_speedup"]
     assert speed.unit == "x" and speed.value == pytest.approx(2.0) and speed.band == pytest.approx((2.0, 2.0))
     assert results.RECORDED["serial_s"].unit == "s" and results.RECORDED["serial_s"].value == pytest.approx(2e-3)
+    assert results.RECORDED["serial_s"].limit == pytest.approx(0.5e-3)  # 1 MB at the 2 GB/s limit
+    assert results.RECORDED["serial_s"].percent_of_limit == pytest.approx(25)
     rate = results.RECORDED["overlapped_gbps"]
     assert rate.unit == "GB/s" and rate.value == pytest.approx(1.0) and rate.percent_of_limit == pytest.approx(50)
 
@@ -304,6 +306,16 @@ def test_bad_comparisons_are_clear_errors():
         bench.compare({"a": lambda: None, "b": lambda: None}, rounds=1, device="cpu")
     with pytest.raises(ValueError, match="at most one"):
         bench.compare({"a": lambda: None, "b": lambda: None}, bytes_moved=1, flops=1, device="cpu")
+
+
+def test_a_verdict_against_another_variant_of_the_same_rounds():
+    clock = FakeClock()
+    result = bench.compare({"seed": clock.work("a", 4e-3), "pinned": clock.work("b", 4e-3),
+                            "resident": clock.work("c", 1e-3)}, clock=clock, device="cpu")
+    assert result.verdict("resident").outcome == "faster"
+    v = result.verdict("resident", against="pinned")
+    assert v.baseline == "pinned" and v.speedup == pytest.approx(4.0) and str(v).startswith("resident vs pinned")
+    assert result.verdict("pinned").outcome == "same"
 
 
 def test_comparison_from_rounds_measured_elsewhere():

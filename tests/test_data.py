@@ -480,3 +480,21 @@ def test_synthetic_images():
     assert y.shape == (8,) and y.dtype == torch.int64
     assert int(y.min()) >= 0 and int(y.max()) < 5
     assert x.std().item() > 0.5
+
+
+def test_seeded_loader_order_depends_on_the_seed_alone(sample_images):
+    images, labels = sample_images
+    dataset = data.MNISTDataset(images, labels)
+    a = [y.tolist() for _, y in data.seeded_loader(dataset, 16)]
+    b = [y.tolist() for _, y in data.seeded_loader(dataset, 16, num_workers=2)]  # workers: the same order
+    other = [y.tolist() for _, y in data.seeded_loader(dataset, 16, seed=1)]
+    assert a == b and a != other
+    loader = data.seeded_loader(dataset, 16)
+    first, second = [y.tolist() for _, y in loader], [y.tolist() for _, y in loader]
+    assert first == a and second != first  # every epoch draws the next permutation
+
+
+def test_drain_produces_and_copies_every_batch(sample_images):
+    images, labels = sample_images
+    loader = data.seeded_loader(data.MNISTDataset(images, labels), 16)
+    assert data.drain(loader, "cpu") == len(loader)

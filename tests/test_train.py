@@ -177,3 +177,56 @@ def test_chunked_loss_rejects_bad_input():
         train.chunked_lm_loss(model.features(x), model.head, y, chunk_tokens=0)
     with pytest.raises(ValueError, match="tokens"):
         train.chunked_lm_loss(model.features(x), model.head, y[:, :5])
+
+
+# ── notebook 02's training runs ─────────────────────────────────────────────────────────────────────────────
+
+
+def _mnist_like(n=256, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 1, 28, 28, generator=gen), torch.randint(0, 10, (n,), generator=gen)
+
+
+def _epoch(model, batches, optimizer):
+    total, steps = 0.0, 0
+    for x, y in batches:
+        optimizer.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        total, steps = total + loss.item(), steps + 1
+    return total / steps
+
+
+def test_fit_trains_from_the_given_weights_and_records_curves():
+    x, y = _mnist_like()
+    init = models.MLP().state_dict()
+    batches = [(x[i:i + 64], y[i:i + 64]) for i in range(0, len(x), 64)]
+    a = train.fit(_epoch, batches, init_state=init, epochs=3, test=(x, y), device="cpu", lr=1e-2)
+    b = train.fit(_epoch, lambda: iter(batches), init_state=init, epochs=3, test=(x, y), device="cpu", lr=1e-2)
+    assert len(a.losses) == len(a.accuracies) == 3 and a.losses[-1] < a.losses[0]
+    assert train.same_weights(a.weights(), b.weights()) == "bit-identical"  # a list or a factory: the same run
+    assert a.accuracy == a.accuracies[-1] and 0 <= a.accuracy <= 100
+    before = a.weights()
+    a.epoch()  # one more epoch of the same loop on the same model
+    with pytest.raises(AssertionError, match="net"):
+        train.same_weights(before, a.weights())
+    with pytest.raises(ValueError, match="at least one epoch"):
+        train.fit(_epoch, batches, init_state=init, epochs=0, test=(x, y), device="cpu", lr=1e-2)
+
+
+def test_accuracy_is_one_pass_and_keeps_the_mode():
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(4, 3))
+    x = torch.randn(90, 4)
+    y = model(x).argmax(1)
+    y[:30] = (y[:30] + 1) % 3
+    model.train()
+    assert train.accuracy(model, x, y) == pytest.approx(200 / 3) and model.training
+    # the same as counting batch by batch, as a DataLoader-based evaluation would
+    hits = sum((model(x[i:i + 16]).argmax(1) == y[i:i + 16]).sum().item() for i in range(0, 90, 16))
+    assert train.accuracy(model, x, y) == pytest.approx(100 * hits / 90)
+
+
+def test_standard_error_of_an_accuracy():
+    assert train.standard_error(95.0, 10_000) == pytest.approx(100 * (0.95 * 0.05 / 10_000) ** 0.5)
+    assert train.standard_error(100.0, 10) == 0

@@ -497,19 +497,23 @@ class Comparison:
     def rounds(self) -> int:
         return len(self.timings[self.baseline].block_times_s)
 
-    def ratios(self, variant: str) -> list[float]:
-        """Per-round speed-ups of ``variant``: the baseline's per-call time over the variant's, round by round."""
-        base = self.timings[self.baseline].block_times_s
+    def ratios(self, variant: str, against: str | None = None) -> list[float]:
+        """Per-round speed-ups of ``variant``: the per-call time of ``against`` (default: the baseline) over the
+        variant's, round by round."""
+        base = self._timing(against or self.baseline).block_times_s
         return [b / v for b, v in zip(base, self._timing(variant).block_times_s, strict=True)]
 
-    def verdict(self, variant: str | None = None) -> Verdict:
-        """The verdict of ``variant`` (default: the only, or last, variant besides the baseline)."""
+    def verdict(self, variant: str | None = None, against: str | None = None) -> Verdict:
+        """The verdict of ``variant`` (default: the only, or last, variant besides the baseline) against the
+        baseline, or against another variant of the same rounds (``against``: the stage a change was made to)."""
         variant = self._default(variant)
-        return verdict_from_ratios(variant, self.baseline, self.ratios(variant), resolution=self.resolution)
+        against = against or self.baseline
+        return verdict_from_ratios(variant, against, self.ratios(variant, against), resolution=self.resolution)
 
-    def speedup(self, variant: str | None = None) -> float:
-        """The median per-round speed-up of ``variant`` over the baseline (the number every verdict uses)."""
-        return self.verdict(variant).speedup
+    def speedup(self, variant: str | None = None, against: str | None = None) -> float:
+        """The median per-round speed-up of ``variant`` over the baseline (or ``against``): the number every
+        verdict uses."""
+        return self.verdict(variant, against).speedup
 
     def time_s(self, variant: str | None = None) -> float:
         """The median per-call seconds of ``variant``."""
@@ -611,7 +615,8 @@ class Comparison:
     def record(self, figures: Mapping[str, str | tuple[str, Quantity]]) -> None:
         """Record figures with :func:`utils.results.record`: ``{figure name: variant}`` records the variant's
         speed-up over the baseline (unit "x", with its band), or for the baseline its time per call (unit "s");
-        ``{figure name: (variant, quantity)}`` picks the quantity: "time", "speedup" or "rate" (with the limit).
+        ``{figure name: (variant, quantity)}`` picks the quantity: "time", "speedup" or "rate". A rate carries the
+        comparison's limit; a time carries it as the least time the work takes at the limit's rate.
 
         Raises:
             ValueError: for an unknown quantity or a rate without work; KeyError for an unknown variant.
@@ -622,9 +627,13 @@ class Comparison:
             variant, quantity = (spec, None) if isinstance(spec, str) else spec
             self._timing(variant)
             quantity = quantity or ("time" if variant == self.baseline else "speedup")
-            if quantity == "time":
+            if quantity == "time":  # with a rate limit, the limit as a time: the least this work can take
                 t = self.timings[variant]
-                results.record(name, t.median_s, "s", band=t.quartiles_s)
+                floor = None
+                if self.limit is not None and self.work is not None:
+                    floor = t.median_s * self.rate(variant) / self.limit  # the work at the limit's rate
+                results.record(name, t.median_s, "s", band=t.quartiles_s, limit=floor,
+                               limit_name=self.limit_name if floor is not None else None)
             elif quantity == "speedup":
                 v = self.verdict(variant)
                 results.record(name, v.speedup, "x", band=v.band)

@@ -23,7 +23,7 @@ import time
 import urllib.parse
 import urllib.request
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -398,6 +398,33 @@ class MNISTDataset(torch.utils.data.Dataset):
         """The normalised image float32 [1, H, W] and its label."""
         image = self.images[index].unsqueeze(0).float().div(255)  # ToTensor
         return image.sub(MNIST_MEAN).div(MNIST_STD), int(self.labels[index])  # Normalize
+
+
+def seeded_loader(dataset: torch.utils.data.Dataset, batch_size: int, *, seed: int = 0,
+                  **options) -> torch.utils.data.DataLoader:
+    """A shuffling ``DataLoader`` whose order depends on ``seed`` alone, whatever its ``options``.
+
+    The sampler gets a generator of its own. With ``shuffle=True`` the order would come from the loader's
+    generator, which starting worker processes also draws from, so adding workers would reshuffle. Every epoch
+    draws the next permutation from that generator, so two loaders made alike yield the same batches, epoch by
+    epoch. ``options`` go to ``DataLoader`` (``num_workers``, ``pin_memory``, ``persistent_workers``, ...).
+    """
+    order = torch.Generator().manual_seed(seed)
+    sampler = torch.utils.data.RandomSampler(dataset, generator=order)
+    return torch.utils.data.DataLoader(dataset, batch_size, sampler=sampler, **options)
+
+
+def drain(loader: Iterable, device: torch.device | str) -> int:
+    """Produce one epoch of ``loader``'s batches and copy each tensor of a batch to ``device`` (non-blocking):
+    the input pipeline without the model. Returns the number of batches; the copies are queued, so time it with
+    a synchronising clock (``utils.bench``)."""
+    batches = 0
+    for batch in loader:
+        for tensor in batch if isinstance(batch, (tuple, list)) else (batch,):
+            if isinstance(tensor, torch.Tensor):
+                tensor.to(device, non_blocking=True)
+        batches += 1
+    return batches
 
 
 def normalize_images(images_uint8: torch.Tensor, device: torch.device | str | None = None) -> torch.Tensor:

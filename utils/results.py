@@ -75,13 +75,14 @@ def _finite(name: str, what: str, value: object) -> float:
 
 
 def record(name: str, value: float, unit: str, *, band: tuple[float, float] | None = None,
-           limit: float | None = None, limit_name: str | None = None) -> Result:
+           limit: float | None = None, limit_name: str | None = None) -> None:
     """Record a headline figure under ``name`` (snake_case, e.g. ``matmul_tflops_bf16``) with its unit.
 
     ``band``: the (low, high) quartiles it was measured with. ``limit`` and ``limit_name``: the limit measured in
     the same run that the figure is put against (in the figure's unit), e.g. ``limit=copy.value,
     limit_name="copy bandwidth"``; the README shows the figure as a percentage of it. Usually called by the
-    measuring call itself (``utils.bench.compare(..., record=...)``, ``Rate.record``). Returns the :class:`Result`.
+    measuring call itself (``utils.bench.compare(..., record=...)``, ``Rate.record``). The :class:`Result` is kept in
+    :data:`RECORDED` (nothing is returned, so a cell that ends with this call shows the figure once).
 
     Raises:
         ValueError: for a name that is not snake_case, a value, band or limit that is not a finite number (a NaN
@@ -102,13 +103,65 @@ def record(name: str, value: float, unit: str, *, band: tuple[float, float] | No
     result = Result(name, value, unit.strip(), band, limit, limit_name if limit is not None else None)
     RECORDED[name] = result
     _show(result)
-    return result
 
 
-def reference_results(results_dir: str | Path) -> dict[str, dict[str, dict[str, dict[str, object]]]]:
-    """Every reference run's figures, as ``tools/reference_run.py`` wrote them into ``results_dir/<gpu>.json``:
-    ``{gpu: {notebook stem: {name: {"value": ..., "unit": ...}}}}``, GPUs in name order (empty without files)."""
-    return {p.stem: json.loads(p.read_text()) for p in sorted(Path(results_dir).glob("*.json"))}
+#: What a run record says about the run that measured a notebook's figures (``results/<gpu>.json``, and the same
+#: fields in a notebook's ``metadata.reference_run`` stamp): its date, the GPU's name, how many GPUs the notebook
+#: used, how many CPUs the process could use, the torch and CUDA versions, the wall time in seconds, and the
+#: SHA-256 of the notebook's sources (``tools.course.sources_sha256``). ``cpus`` and ``wall_s`` may be None (not
+#: known for runs from before they were recorded); a record may also say ``"shared_host": true`` (the notebooks ran
+#: side by side on one host, ``PARALLEL=1 bash .ci/gpu-run``).
+RUN_FIELDS = ("date", "gpu", "gpus", "cpus", "torch", "cuda", "wall_s", "sources_sha256")
+
+
+def from_payload(name: str, payload: dict[str, object]) -> Result:
+    """A figure as a results file or a recorded output holds it (``Result.payload()``), as a :class:`Result`."""
+    band = payload.get("band")
+    limit = payload.get("limit") or {}
+    return Result(name, float(payload["value"]), str(payload["unit"]),
+                  (float(band[0]), float(band[1])) if band else None,
+                  float(limit["value"]) if limit else None, limit.get("name") if limit else None)
+
+
+def read_results_file(path: str | Path) -> dict[str, dict[str, object]]:
+    """One GPU's results file: ``{notebook stem: {"run": run record or None, "figures": {name: payload}}}``.
+
+    The run record has the fields :data:`RUN_FIELDS`; a payload is ``{"value", "unit"}`` with an optional
+    ``"band": [low, high]`` and ``"limit": {"name", "value"}``. A file in the format from before run records
+    (``{stem: {name: payload}}``, e.g. a reader's older ``t4.json``) reads as entries with ``"run": None``.
+
+    Raises:
+        ValueError: for a file that is not a JSON object of notebook entries.
+    """
+    data = json.loads(Path(path).read_text(encoding="utf-8"))
+    if not isinstance(data, dict) or not all(isinstance(entry, dict) for entry in data.values()):
+        raise ValueError(f"{path}: a results file maps notebook stems to entries (JSON objects)")
+    entries: dict[str, dict[str, object]] = {}
+    for stem, entry in data.items():
+        if "figures" in entry and set(entry) <= {"run", "figures"}:
+            entries[stem] = {"run": entry.get("run"), "figures": entry["figures"]}
+        else:  # the format before run records: the figures alone
+            entries[stem] = {"run": None, "figures": entry}
+    return entries
+
+
+def write_results_entry(path: str | Path, stem: str, run: dict[str, object] | None,
+                        figures: dict[str, dict[str, object]]) -> Path:
+    """Set one notebook's entry (its run record and figures) in the results file at ``path``; the other notebooks'
+    entries stay. Notebooks in name order, figures in the order they were recorded. Returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    entries = read_results_file(path) if path.exists() else {}
+    entries[stem] = {"run": run, "figures": figures}
+    path.write_text(json.dumps(dict(sorted(entries.items())), indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    return path
+
+
+def reference_results(results_dir: str | Path) -> dict[str, dict[str, dict[str, object]]]:
+    """Every reference run's results, as ``tools/reference_run.py`` wrote them into ``results_dir/<gpu>.json``:
+    ``{gpu: {notebook stem: {"run": ..., "figures": {name: payload}}}}`` (:func:`read_results_file`), GPUs in
+    name order (empty without files)."""
+    return {p.stem: read_results_file(p) for p in sorted(Path(results_dir).glob("*.json"))}
 
 
 def _show(result: Result) -> None:

@@ -1,5 +1,6 @@
 """The training steps the course measures: the language-model step with every mixed-precision option in one place,
-and a whole step captured in a CUDA graph.
+a whole step captured in a CUDA graph, and notebook 02's training runs (:func:`fit`: a stage trained from fixed
+weights, with its loss and accuracy curves).
 
 :func:`train_step` is the production step of notebook 03 (autocast, GradScaler, unscale before clipping) and the
 step notebook 04 compiles; keeping it here means both measure the same code.
@@ -7,7 +8,8 @@ step notebook 04 compiles; keeping it here means both measure the same code.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -245,3 +247,103 @@ class GraphedStep:
         static_y.copy_(y)
         graph.replay()
         return static_loss
+
+
+# ── Training runs of notebook 02: a stage trained from fixed weights, its curves and its accuracy ───────────
+
+
+@torch.no_grad()
+def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    """Test accuracy in percent on tensors already on the model's device, in one forward pass (eval mode)."""
+    was_training = model.training
+    model.eval()
+    try:
+        return 100.0 * (model(x).argmax(dim=1) == y).sum().item() / len(y)
+    finally:
+        model.train(was_training)
+
+
+def standard_error(accuracy_pct: float, n_test: int) -> float:
+    """One standard error, in percentage points, of an accuracy measured on ``n_test`` images (binomial)."""
+    p = accuracy_pct / 100
+    return 100 * (p * (1 - p) / n_test) ** 0.5
+
+
+@dataclass
+class TrainingRun:
+    """What :func:`fit` trained: the model and optimizer, the mean training loss and the test accuracy after every
+    epoch, and ``epoch()``: one more epoch of the same loop on the same model (what a timing calls)."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    losses: list[float]
+    accuracies: list[float]
+    epoch: Callable[[], float]
+
+    @property
+    def accuracy(self) -> float:
+        """Test accuracy after the last trained epoch, in percent."""
+        return self.accuracies[-1]
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """A copy of the trained weights (taken before any later epoch changes them)."""
+        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+
+def fit(
+    epoch_fn: Callable[..., float],
+    batches: Callable[[], Iterable] | Iterable,
+    *,
+    init_state: dict[str, torch.Tensor],
+    epochs: int,
+    test: tuple[torch.Tensor, torch.Tensor],
+    device: torch.device | str,
+    lr: float,
+    model_fn: Callable[[], nn.Module] | None = None,
+    desc: str | None = None,
+    **adam_options,
+) -> TrainingRun:
+    """Train a fresh model from ``init_state`` for ``epochs`` epochs of ``epoch_fn(model, batches, optimizer)``
+    (which returns the epoch's mean loss) with Adam(lr, **adam_options), and record the loss and the test
+    accuracy (``test`` = (images, labels) on ``device``) after every epoch, with a progress bar.
+
+    ``batches`` is a function that returns one epoch's batches per call, or something iterated once per epoch (a
+    ``DataLoader``). Every version in notebook 02 starts from the same weights and, given batches shuffled by a
+    generator of their own with the same seed, sees the same order: so their weights and accuracies compare.
+
+    Raises:
+        ValueError: for fewer than one epoch.
+    """
+    from tqdm.auto import tqdm
+
+    from utils.models import MLP
+
+    if epochs < 1:
+        raise ValueError(f"fit() needs at least one epoch, got {epochs}")
+    model = (model_fn or MLP)().to(device)
+    model.load_state_dict(init_state)
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr, **adam_options)
+
+    epoch_batches = batches if callable(batches) else lambda: batches
+
+    def one_epoch() -> float:
+        return epoch_fn(model, epoch_batches(), optimizer)
+
+    losses, accuracies = [], []
+    for _ in tqdm(range(epochs), desc=desc or getattr(epoch_fn, "__name__", "training"), leave=False):
+        losses.append(one_epoch())
+        accuracies.append(accuracy(model, *test))
+    return TrainingRun(model, optimizer, losses, accuracies, one_epoch)
+
+
+def same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> str:
+    """'bit-identical' or 'equal within fp32 rounding' for two state dicts of one model trained the same way.
+
+    Raises:
+        AssertionError: when they differ beyond rounding (``torch.testing.assert_close``), naming the tensor.
+    """
+    if a.keys() != b.keys():
+        raise AssertionError(f"different parameters: {sorted(a)} and {sorted(b)}")
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], msg=lambda m, name=name: f"{name}: {m}")
+    return "bit-identical" if all(torch.equal(a[n], b[n]) for n in a) else "equal within fp32 rounding"
