@@ -6,7 +6,8 @@ import time
 import pytest
 import torch
 
-from utils import bench, results
+from utils import bench, plot, results
+from utils.env import GpuConditions, GpuSample
 
 
 def test_bench_measures_a_known_duration():
@@ -330,11 +331,16 @@ def test_comparison_from_rounds_measured_elsewhere():
 
 
 def test_real_work_on_cpu_is_compared_in_rounds():
-    small, large = torch.randn(64, 64), torch.randn(256, 256)  # 64× the work
-    result = bench.compare({"large": lambda: large @ large, "small": lambda: small @ small}, device="cpu",
-                           min_run_time=0.3)
+    small, large = torch.randn(32, 32), torch.randn(512, 512)  # 4,096× the work
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one thread: on a busy 2-core machine, OpenMP's waits would blur the two apart
+    try:
+        result = bench.compare({"large": lambda: large @ large, "small": lambda: small @ small}, device="cpu",
+                               min_run_time=0.3)
+    finally:
+        torch.set_num_threads(threads)
     assert result.verdict("small").outcome in ("faster", "inconclusive")
-    assert result.timings["large"].median_s > result.timings["small"].median_s
+    assert result.timings["large"].median_s > 5 * result.timings["small"].median_s
 
 
 # ── Profiling never precedes a timing ───────────────────────────────────────────────────────────────────────
@@ -382,7 +388,11 @@ def test_sweep_checks_every_variant_then_gives_rates_against_a_limit():
         return lambda: src.clone()
 
     reference = lambda size: torch.arange(size, dtype=torch.float32)  # noqa: E731
-    good = bench.sweep({"clone": clone, "add zero": lambda s: (lambda t=torch.arange(s, dtype=torch.float32): t + 0)},
+    def add_zero(size):
+        t = torch.arange(size, dtype=torch.float32)
+        return lambda: t + 0
+
+    good = bench.sweep({"clone": clone, "add zero": add_zero},
                        [1 << 10, 1 << 14], reference=reference, bytes_moved=lambda s: 8 * s, limit=1e4,
                        limit_name="copy bandwidth", rounds=2, min_run_time=0.02, progress=False,
                        record={"clone_gbps": "clone"})
@@ -414,3 +424,55 @@ def test_burst_size_shrinks_until_one_product_fits_the_budget():
     finally:
         bench.time.perf_counter = real
     assert made == [8192, 4096, 2048] and n == 2048
+
+# ── Burst against sustained: two rates measured under different conditions on purpose ───────────────────────
+
+
+def _rate(value, *, mhz=None, n=8192, spread=0.01, reasons=0, power=None):
+    median = 1.0 / value
+    blocks = (median * (1 - spread), median, median * (1 + spread))
+    timing = bench.Timing("matmul", median, 2 * spread * median, blocks, 1, "cuda:0")
+    samples = [GpuSample(0.01 * i, mhz, power, reasons) for i in range(4)] if mhz else []
+    conditions = GpuConditions("cuda:0", "NVML" if mhz else None, None if mhz else "a CPU has no GPU clock",
+                                   1980.0 if mhz else None, 700.0 if mhz else None, samples)
+    return bench.Rate("matmul", value, "TFLOP/s", timing, conditions, {"n": n})
+
+
+def test_burst_vs_sustained_when_the_clock_explains_the_drop():
+    text = bench.burst_vs_sustained(_rate(787.5, mhz=1980), _rate(670.8, mhz=1695, reasons=0x4, power=699))
+    assert "ustained 670.8 TFLOP/s is 85% of the burst's 787.5: the rate falls under sustained work." in text
+    assert "held back by power cap; board power 699 W of a 700 W limit" in text
+    assert "The clock accounts for the drop" in text
+
+
+def test_burst_vs_sustained_when_the_rate_falls_less_than_the_clock():
+    text = bench.burst_vs_sustained(_rate(787.5, mhz=1980), _rate(670.8, mhz=1485))
+    assert "fell less than the clock" in text and "per GHz" in text
+
+
+def test_burst_vs_sustained_holds_and_unresolved():
+    text = bench.burst_vs_sustained(_rate(100.0, mhz=1410), _rate(99.0, mhz=1410))
+    assert "holds its rate" in text and "falls" not in text
+    text = bench.burst_vs_sustained(_rate(100.0, spread=0.2), _rate(90.0, spread=0.2))
+    assert "bands overlap" in text and "not resolved" in text and "No clock readings (a CPU has no GPU clock)" in text
+
+
+def test_burst_vs_sustained_names_a_smaller_burst():
+    """A T4's fp32 burst multiplies 2048×2048 matrices (≤ 5 ms a product): no per-clock reading then."""
+    text = bench.burst_vs_sustained(_rate(4.0, mhz=1590, n=2048), _rate(4.4, mhz=1590))
+    assert "rises under sustained work" in text and "2048×2048" in text and "8192×8192" in text
+    text = bench.burst_vs_sustained(_rate(8.0, mhz=1590, n=2048), _rate(6.0, mhz=1200))
+    assert "per GHz" not in text and "accounts for" not in text and "differ by size" in text
+
+
+def test_plot_clock_samples(capsys):
+    assert plot.clock_samples({"burst": _rate(1.0).conditions}, title="t") is None
+    assert "No clock plot" in capsys.readouterr().out
+    fig = plot.clock_samples({"burst": _rate(1.0, mhz=1980).conditions,
+                                  "sustained": _rate(1.0, mhz=1485).conditions}, title="SM clock")
+    assert fig.axes[0].get_title() == "SM clock" and len(fig.axes[0].lines) == 3  # two series and the maximum
+
+
+def test_burst_vs_sustained_label():
+    text = bench.burst_vs_sustained(_rate(100.0), _rate(99.5), label="bf16 matmul")
+    assert text.startswith("bf16 matmul: sustained 99.5 TFLOP/s is 100% of the burst's 100")

@@ -173,3 +173,121 @@ def test_host_link_rates():
     assert env.HostLink(5, 16, "test").gbps == pytest.approx(63.0, rel=1e-2)
     assert env.HostLink(9, 16, "test").gbps is None and "unknown rate" in str(env.HostLink(9, 16, "test"))
     assert "CPU" in env.host_link("cpu")
+
+
+# ── Does this build run on this GPU? ────────────────────────────────────────────────────────────────────────
+
+WHEEL_CU130 = ["sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120"]  # torch 2.14's CUDA 13.0 wheel: no PTX
+
+
+@pytest.mark.parametrize(("arch", "arch_list", "kind", "via"), [
+    ("sm_90", WHEEL_CU130, "native", "sm_90"),
+    ("sm_89", WHEEL_CU130, "binary-compatible", "sm_86"),  # an RTX 4090 or L4: the H100 review's false alarm
+    ("sm_89", ["sm_80"], "binary-compatible", "sm_80"),
+    ("sm_86", ["sm_80", "sm_90"], "binary-compatible", "sm_80"),
+    ("sm_103", WHEEL_CU130, "binary-compatible", "sm_100"),  # B300 on a B200 cubin
+    ("sm_121", WHEEL_CU130, "binary-compatible", "sm_120"),
+    ("sm_90", ["sm_80"], "unsupported", None),  # no cubin of major 9, no PTX
+    ("sm_90", ["sm_80", "compute_80"], "PTX JIT", "compute_80"),
+    ("sm_90", ["sm_80", "compute_70", "compute_80"], "PTX JIT", "compute_80"),  # the newest usable PTX
+    ("sm_75", ["sm_80"], "unsupported", None),  # cubins never run on an older GPU
+    ("sm_75", ["sm_80", "compute_80"], "unsupported", None),  # nor newer PTX
+    ("sm_70", WHEEL_CU130, "unsupported", None),  # V100 on a wheel that dropped Volta
+    ("sm_120", ["sm_90", "sm_100"], "unsupported", None),  # no cubin across major versions
+    ("sm_100", ["sm_90a", "compute_90a"], "unsupported", None),  # arch-specific code runs on 9.0 only
+    ("sm_90", ["sm_90a"], "native", "sm_90a"),
+    ("sm_100", ["sm_90", "compute_90"], "PTX JIT", "compute_90"),
+    ("sm_103", ["sm_100f"], "binary-compatible", "sm_100f"),
+    ("sm_87", ["sm_80", "sm_86"], "unsupported", None),  # Jetson Orin: no binary compatibility for Tegra
+    ("sm_87", ["sm_86", "compute_86"], "PTX JIT", "compute_86"),
+    ((8, 9), ["sm_86"], "binary-compatible", "sm_86"),
+])
+def test_arch_support_follows_cuda_compatibility(arch, arch_list, kind, via):
+    support = env.arch_support(arch, arch_list)
+    assert (support.kind, support.via) == (kind, via), support
+    assert support.runs == (kind != "unsupported")
+    assert str(support).startswith(f"{support.arch}: {kind}")
+
+
+def test_arch_support_says_why():
+    assert "runs the sm_86 machine code" in env.arch_support("sm_89", WHEEL_CU130).reason
+    assert "all newer than sm_70" in env.arch_support("sm_70", WHEEL_CU130).reason
+    assert "install a build that lists sm_90" in env.arch_support("sm_90", ["sm_80"]).reason
+    assert "CPU-only" in env.arch_support("sm_90", []).reason
+    assert "compiles the compute_80 PTX" in env.arch_support("sm_90", ["compute_80"]).reason
+
+
+@pytest.mark.parametrize("bad", ["sm90", "8.6", "sm_9", "compute_", None])
+def test_arch_support_rejects_what_is_not_an_arch(bad):
+    with pytest.raises(ValueError, match="not a CUDA architecture"):
+        env.arch_support(bad, ["sm_80"]) if bad else env.parse_arch(bad)
+    with pytest.raises(ValueError, match="not a CUDA architecture"):
+        env.arch_support("sm_80", ["sm_80", bad])
+
+
+def test_parse_arch():
+    assert env.parse_arch("sm_86") == ("sm", (8, 6), "")
+    assert env.parse_arch("compute_120") == ("compute", (12, 0), "")
+    assert env.parse_arch("sm_100a") == ("sm", (10, 0), "a")
+
+
+def _caps(cc, **kw):
+    base = dict(device="cuda:0", name="Tesla T4", compute_capability=cc, sm_count=40, total_memory_bytes=16 << 30,
+                l2_cache_bytes=4 << 20, bf16=cc >= (8, 0), tf32=cc >= (8, 0), fp8=cc >= (8, 9),
+                flash_attention=cc >= (8, 0), mem_efficient_attention=True, triton=True, nvcc=None, cxx="/usr/bin/c++")
+    return env.Capabilities(**{**base, **kw})
+
+
+def test_why_not_gates_precisions_on_capability():
+    t4, a100, cpu = _caps((7, 5)), _caps((8, 0), name="NVIDIA A100-SXM4-40GB"), env.capabilities("cpu")
+    assert t4.why_not("fp32") is None and t4.why_not("fp16") is None
+    assert "no TF32 tensor cores" in t4.why_not("tf32") and "sm_75" in t4.why_not("tf32")
+    assert "emulate bf16 slowly" in t4.why_not("bf16")
+    assert all(a100.why_not(p) is None for p in ("fp32", "tf32", "fp16", "bf16"))
+    assert "a CPU has no TF32" in cpu.why_not("tf32") and cpu.why_not("bf16") is None
+    with pytest.raises(ValueError, match="precision"):
+        t4.why_not("fp8")
+
+
+def test_capability_rows_cover_every_capability():
+    rows = env.capability_rows(_caps((7, 5)))
+    assert [r["capability"] for r in rows] == ["bf16", "TF32 matmul", "fp8 tensor cores", "flash SDPA",
+                                               "memory-efficient SDPA", "Triton (compiled)", "nvcc", "C++ compiler"]
+    by = {r["capability"]: r for r in rows}
+    assert by["bf16"]["here"] == "no" and by["nvcc"]["here"] == "no (no CUDA toolkit found)"
+    cpu_rows = {r["capability"]: r for r in env.capability_rows(env.capabilities("cpu"))}
+    assert "CPU autocast" in cpu_rows["bf16"]["here"]
+
+
+def test_install_findings_on_this_cpu_machine(monkeypatch):
+    monkeypatch.setenv(env.DEVICE_ENV_VAR, "cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    findings = env.install_findings("cpu")
+    if torch.version.cuda is None:
+        assert "CPU-only build" in findings[0]
+    else:
+        assert "sees no GPU" in findings[0]
+    monkeypatch.setattr(torch.version, "cuda", None)
+    assert "CPU-only build" in env.install_findings("cpu")[0]
+
+
+def test_install_findings_on_a_gpu(monkeypatch):
+    """A T4 with a wheel that has sm_75: no arch finding; with a wheel that dropped it: 'cannot run'."""
+    monkeypatch.setattr(env, "get_device", lambda device=None: torch.device("cuda", 0))
+    monkeypatch.setattr(env, "capabilities", lambda device=None: _caps((7, 5)))
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    findings = env.install_findings("cuda", arch_list=WHEEL_CU130)
+    assert not any("sm_75" in f for f in findings)
+    assert any("No native bf16" in f for f in findings) and any("No nvcc" in f for f in findings)
+    findings = env.install_findings("cuda", arch_list=["sm_80", "sm_90"])
+    assert any(f.startswith("This build cannot run on this GPU (sm_75)") for f in findings)
+    monkeypatch.setattr(env, "capabilities", lambda device=None: _caps((9, 0), name="NVIDIA H100 80GB HBM3"))
+    findings = env.install_findings("cuda", arch_list=["sm_80", "compute_80"])
+    assert any("compiles the compute_80 PTX" in f and "starts faster" in f for f in findings)
+    assert env.install_findings("cuda", arch_list=["sm_90"]) == ["No nvcc: notebook 06 skips its CUDA C++ extension "
+                                                                "(the Triton kernel still runs). Install the CUDA "
+                                                                "toolkit matching torch.version.cuda to build "
+                                                                "extensions."]
+
+
+# ── Burst against sustained ─────────────────────────────────────────────────────────────────────────────────

@@ -148,3 +148,21 @@ def test_no_host_sync_keeps_the_debug_modes_notice_out(monkeypatch):
         with pytest.raises(exercises.Miss, match="host wait"), exercises.no_host_sync("cuda", "keep it"):
             raise RuntimeError("called a synchronizing CUDA operation")
     assert modes == ["error", "default", "error", "default"]  # set, and always reset
+
+
+# ── 00 · Install check: what the checks add from the notebook's measurements ──────────────────────────────────
+
+
+def test_install_check_rate_at_clock_puts_the_clock_against_the_measured_drop():
+    from tests.solutions import install_check as solution
+
+    check = exercises.install_check.rate_at_clock
+    same = check(solution.rate_at_clock, burst_tflops=787.5, burst_mhz=1980.0, sustained_tflops=670.8,
+                 sustained_mhz=1755.0, burst_n=8192, sustained_n=8192)
+    assert same.correct and "the clock explains" in same.message
+    sized = check(solution.rate_at_clock, burst_tflops=5.0, burst_mhz=1590.0, sustained_tflops=4.2,
+                  sustained_mhz=1200.0, burst_n=2048, sustained_n=8192)  # a T4's burst is sized down to ≤ 5 ms
+    assert sized.correct and "differ by size" in sized.message and "explains" not in sized.message
+    cpu = check(solution.rate_at_clock, burst_tflops=0.2, burst_mhz=None, sustained_tflops=0.2, sustained_mhz=None,
+                burst_n=512, sustained_n=512)
+    assert cpu.correct and cpu.message == "the rate scales with the clock."

@@ -16,7 +16,7 @@ METHOD_LINK = "README.md#how-the-course-measures"
 
 
 def test_lessons_are_real_notebooks():
-    assert lesson_budget.LESSONS <= {p.stem for p in NOTEBOOKS}
+    assert {p.stem for p in NOTEBOOKS} >= lesson_budget.LESSONS
 
 
 @pytest.mark.parametrize("path", [p for p in NOTEBOOKS if p.stem in lesson_budget.LESSONS],
@@ -52,3 +52,12 @@ def test_budget_flags_what_is_over():
     assert lesson_budget.over_budget(row) == []
     assert lesson_budget.over_budget(row | {"max lines": 30, "kernel lines": 30}) == ["max lines: 30 > 25"]
     assert lesson_budget.over_budget(row | {"kernel lines": 41}) == ["kernel lines: 41 > 40"]
+
+
+@pytest.mark.parametrize("path", [p for p in NOTEBOOKS if p.stem in lesson_budget.LESSONS],
+                         ids=[p.name for p in NOTEBOOKS if p.stem in lesson_budget.LESSONS])
+def test_what_you_learn_has_at_most_six_bullets(path):
+    title = course.cell_source(nbformat.read(path, as_version=4).cells[0])
+    block = title.split("What you'll learn", 1)[1].split("\n\n", 1)[0]
+    bullets = [line for line in block.splitlines() if line.startswith("- ")]
+    assert 1 <= len(bullets) <= 6, f"{path.name}: 'What you'll learn' has {len(bullets)} bullets (1 to 6)"

@@ -925,6 +925,72 @@ def _rate_band(rate: Rate) -> tuple[float, float]:
     return rate.value * rate.timing.median_s / q3, rate.value * rate.timing.median_s / q1
 
 
+def burst_vs_sustained(burst: Rate, sustained: Rate, *, label: str | None = None, resolution: float = 0.03) -> str:
+    """The verdict on a burst and a sustained rate of the same work (:func:`utils.bench.matmul_rate`), printed from
+    their numbers: does this GPU hold its rate under sustained work, and does the SM clock explain a drop?
+
+    The two are measured under different conditions on purpose (after a rest; after seconds of heating), so they
+    are not a paired comparison (``utils.bench.compare``): their rates, bands (from the quartiles of their blocks)
+    and clocks are put side by side. The outcome is one of:
+
+    * **holds its rate**: the sustained rate lies within ± ``resolution`` of the burst;
+    * **not resolved**: further apart than that, but the two bands overlap;
+    * **falls** (or **rises**) to a share of the burst.
+
+    A fall is put against the SM clock's: the same share (within 5 points) means the clock, held back by a power or
+    thermal limit, accounts for it; a smaller fall than the clock's means that per clock cycle the sustained run did
+    more work, so something besides the clock held the burst back. That per-clock reading is made only when both
+    multiplied the same size: a burst is sized so that one product lasts at most 5 ms, so on a slow GPU it may
+    multiply smaller matrices, which run further below the peak — the text then says so. ``label`` (e.g. "bf16
+    matmul") starts the text.
+    """
+    b, s, unit = burst.value, sustained.value, sustained.unit
+    ratio = s / b
+    (b_lo, b_hi), (s_lo, s_hi) = _rate_band(burst), _rate_band(sustained)
+    head = f"{label + ': s' if label else 'S'}ustained {s:,.4g} {unit} is {ratio:.0%} of the burst's {b:,.4g}"
+    if abs(ratio - 1) <= resolution:
+        outcome, text = "holds", f"this device holds its rate under sustained work (within ±{resolution:.0%})"
+    elif b_lo <= s_hi and s_lo <= b_hi:
+        outcome, text = "unresolved", (f"but their bands overlap (burst {b_lo:,.4g}–{b_hi:,.4g}, sustained "
+                                       f"{s_lo:,.4g}–{s_hi:,.4g}): the difference is not resolved beyond their noise")
+    else:
+        outcome = "falls" if ratio < 1 else "rises"
+        text = f"the rate {outcome} under sustained work"
+    lines = [f"{head}{',' if outcome == 'unresolved' else ':'} {text}."]
+    n_burst, n_sustained = burst.notes.get("n"), sustained.notes.get("n")
+    same_size = n_burst == n_sustained
+    bc = burst.conditions.sm_clock_mhz if burst.conditions else None
+    sc = sustained.conditions.sm_clock_mhz if sustained.conditions else None
+    if bc and sc:
+        clock_ratio = sc / bc
+        held = ", ".join(sustained.conditions.reasons()) or "nothing the driver reports"
+        power, cap = sustained.conditions.power_w, sustained.conditions.power_limit_w
+        watts = ""
+        if power:
+            watts = f"; board power {power:,.0f} W" + (f" of a {cap:,.0f} W limit" if cap else "")
+        lines.append(f"SM clock: {bc:,.0f} MHz in the burst, {sc:,.0f} MHz sustained ({clock_ratio:.0%}), held back "
+                     f"by {held}{watts}.")
+        if outcome == "falls" and same_size:
+            if abs(clock_ratio - ratio) < 0.05:
+                lines.append("The clock accounts for the drop: the rate fell as far as the clock did.")
+            elif ratio > clock_ratio:
+                lines.append(f"The rate fell less than the clock: per GHz the sustained run did more work "
+                             f"({s / sc * 1e3:,.4g} against {b / bc * 1e3:,.4g} {unit} per GHz in the burst), so "
+                             "something besides the clock held the burst back.")
+            else:
+                lines.append("The rate fell further than the clock: something besides the SM clock (the memory "
+                             "clock, another process) slowed the sustained run.")
+    else:
+        conditions = sustained.conditions
+        why = (conditions.unavailable if conditions is not None else None) or "nothing was sampled"
+        lines.append(f"No clock readings ({why}): the two rates are the only evidence.")
+    if not same_size:
+        lines.append(f"The burst multiplied {n_burst}×{n_burst} matrices (sized so that one product lasts at most "
+                     f"5 ms), the sustained run {n_sustained}×{n_sustained}: a smaller product runs further below the "
+                     "peak, so the two rates differ by size as well as by clock.")
+    return "\n".join(lines)
+
+
 def copy_bandwidth(device: torch.device | str | None = None, *, nbytes: int | None = None,
                    record: str | None = None) -> Rate:
     """Device-memory copy bandwidth: ``dst.copy_(src)`` on a buffer far larger than the caches.
@@ -992,7 +1058,7 @@ def matmul_rate(
     n = n or (8192 if on_gpu else 1024)
 
     def operands(size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return (torch.randn(size, size, device=device, dtype=dtype), torch.randn(size, size, device=device, dtype=dtype))
+        return tuple(torch.randn(size, size, device=device, dtype=dtype) for _ in range(2))
 
     previous = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("high" if tf32 else "highest")

@@ -1,5 +1,6 @@
-"""Where the course runs: device choice, what the device can do, a one-call environment report, and readings
-taken off the GPU while it works (SM clock, board power, why the clock is held back, the PCIe link).
+"""Where the course runs: device choice, what the device can do, a one-call environment report, whether this
+PyTorch build carries code for the GPU (:func:`arch_support`), what to fix in an install (:func:`install_findings`),
+and readings taken off the GPU while it works (SM clock, board power, why the clock is held back, the PCIe link).
 
 Every notebook starts with ``device = utils.env.get_device()`` and sizes its work with
 ``utils.env.by_device(device, cpu=..., cuda=...)``, so the same cells run on a laptop CPU, a Colab T4 and an H100.
@@ -18,8 +19,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 import torch
 
@@ -150,6 +152,25 @@ class Capabilities:
             return None
         return f"sm_{self.compute_capability[0]}{self.compute_capability[1]}"
 
+    def why_not(self, precision: str) -> str | None:
+        """Why a matmul in ``precision`` ("fp32", "tf32", "fp16", "bf16") is not worth measuring here, or None.
+
+        TF32 needs the tensor cores of Ampere (sm_80) or newer; a CPU has none. bf16 on a GPU before Ampere has no
+        tensor-core support: PyTorch would emulate it slowly. A CPU runs fp16 and bf16 (slowly without
+        AVX512-BF16 or AMX), so they are measured there, at a smaller size.
+
+        Raises:
+            ValueError: for another precision.
+        """
+        if precision not in ("fp32", "tf32", "fp16", "bf16"):
+            raise ValueError(f"precision must be fp32, tf32, fp16 or bf16, got {precision!r}")
+        here = "a CPU" if self.compute_capability is None else f"{self.name} ({self.arch})"
+        if precision == "tf32" and not self.tf32:
+            return f"{here} has no TF32 tensor cores (Ampere, sm_80, or newer GPUs have them)"
+        if precision == "bf16" and not self.bf16:
+            return f"{here} has no bf16 tensor cores (before Ampere, sm_80): PyTorch would emulate bf16 slowly"
+        return None
+
 
 def _triton_importable() -> bool:
     try:
@@ -203,6 +224,196 @@ def capabilities(device: torch.device | str | None = None) -> Capabilities:
         flash_attention=bool(flash_built) and cc >= (8, 0), mem_efficient_attention=cc >= (5, 0),
         triton=_triton_importable() and cc >= (7, 0), nvcc=find_nvcc(), cxx=cxx,
     )
+
+
+def triton_version() -> str | None:
+    """The installed Triton's version (``triton`` or the nightlies' ``pytorch-triton``), or None; without importing
+    it (on a CPU, TRITON_INTERPRET=1 must be set before the first import)."""
+    from importlib import metadata
+
+    for package in ("triton", "pytorch-triton"):
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            return metadata.version(package)
+    return None
+
+
+def capability_rows(caps: Capabilities) -> list[dict[str, str]]:
+    """The capabilities of one device as table rows: whether it has each, what each needs, where the course uses
+    it (what notebook 00 prints)."""
+    gpu = caps.compute_capability is not None
+
+    def here(flag: bool, detail: str | None = None) -> str:
+        return ("yes" if flag else "no") + (f" ({detail})" if detail else "")
+
+    triton = triton_version()
+    triton_note = (triton if caps.triton else "pip install triton" if triton is None
+                   else "needs sm_70 or newer" if gpu else "on a CPU its interpreter only: TRITON_INTERPRET=1")
+    return [
+        {"capability": "bf16", "here": here(caps.bf16, None if gpu else "CPU autocast, fast with AVX512-BF16 or AMX"),
+         "needs": "Ampere (sm_80) or newer for fast bf16", "used in": "03 mixed precision, 04 compile"},
+        {"capability": "TF32 matmul", "here": here(caps.tf32), "needs": "Ampere or newer tensor cores",
+         "used in": "00, 03"},
+        {"capability": "fp8 tensor cores", "here": here(caps.fp8), "needs": "Ada (sm_89), Hopper (sm_90) or newer",
+         "used in": "03 number formats"},
+        {"capability": "flash SDPA", "here": here(caps.flash_attention), "needs": "sm_80+ and a build with it",
+         "used in": "attention (07, 08, 09)"},
+        {"capability": "memory-efficient SDPA", "here": here(caps.mem_efficient_attention), "needs": "a CUDA GPU",
+         "used in": "attention (07, 08, 09)"},
+        {"capability": "Triton (compiled)", "here": here(caps.triton, triton_note),
+         "needs": "a GPU of compute capability 7.0+", "used in": "04 compile, 06 custom kernels"},
+        {"capability": "nvcc", "here": here(caps.nvcc is not None, caps.nvcc or "no CUDA toolkit found"),
+         "needs": "the CUDA toolkit", "used in": "06 CUDA C++ extension"},
+        {"capability": "C++ compiler", "here": here(caps.cxx is not None, caps.cxx or "none on PATH"),
+         "needs": "g++ or clang", "used in": "06 extensions, compile on CPU"},
+    ]
+
+
+# ── Does this build run on this GPU? CUDA's compatibility rules ─────────────────────────────────────────────
+
+#: Compute capabilities of Tegra (Jetson, Thor) GPUs: cubins are binary-compatible across minor versions only among
+#: discrete GPUs, not for Tegra, nor between Tegra and discrete GPUs (CUDA C++ Programming Guide, "Binary
+#: Compatibility"). Thor was sm_101 before CUDA 13 renamed it sm_110.
+TEGRA_CAPABILITIES = frozenset({(3, 2), (5, 3), (6, 2), (7, 2), (8, 7), (10, 1), (11, 0)})
+
+_ARCH_ENTRY = re.compile(r"^(sm|compute)_(\d+)(\d)([af]?)$")
+
+ArchKind = Literal["native", "binary-compatible", "PTX JIT", "unsupported"]
+
+
+def parse_arch(entry: str) -> tuple[str, tuple[int, int], str]:
+    """An entry of ``torch.cuda.get_arch_list()``: 'sm_86' → ('sm', (8, 6), ''), 'compute_90' → ('compute', (9, 0),
+    ''), 'sm_100a' → ('sm', (10, 0), 'a'). ``sm`` is machine code (a cubin), ``compute`` PTX; the suffix ``a``
+    marks arch-specific code (runs on that capability only), ``f`` family-specific code (CUDA 12.9+).
+
+    Raises:
+        ValueError: for anything else.
+    """
+    found = _ARCH_ENTRY.match(entry.strip()) if isinstance(entry, str) else None
+    if found is None:
+        raise ValueError(f"not a CUDA architecture like 'sm_86' or 'compute_90': {entry!r}")
+    kind, major, minor, suffix = found.groups()
+    return kind, (int(major), int(minor)), suffix
+
+
+@dataclass(frozen=True)
+class ArchSupport:
+    """How a PyTorch build runs on one GPU architecture: ``kind``, the entry of the arch list that serves it
+    (``via``), and the reason in words. Build it with :func:`arch_support`."""
+
+    arch: str
+    kind: ArchKind
+    via: str | None
+    reason: str
+
+    @property
+    def runs(self) -> bool:
+        """Whether the build runs on this GPU at all (natively, through a compatible cubin, or by JIT)."""
+        return self.kind != "unsupported"
+
+    def __str__(self) -> str:
+        return f"{self.arch}: {self.kind}, {self.reason}"
+
+
+def _ptx_serves(ptx: tuple[int, int], suffix: str, gpu: tuple[int, int]) -> bool:
+    if suffix == "a":  # arch-specific PTX: that capability only
+        return ptx == gpu
+    if suffix == "f":  # family-specific PTX: the same major version
+        return ptx[0] == gpu[0] and ptx[1] <= gpu[1]
+    return ptx <= gpu
+
+
+def arch_support(arch: str | tuple[int, int], arch_list: Sequence[str]) -> ArchSupport:
+    """Whether a build whose ``torch.cuda.get_arch_list()`` is ``arch_list`` runs on a GPU of ``arch`` (``"sm_89"``
+    or ``(8, 9)``), and how, by CUDA's compatibility rules (CUDA C++ Programming Guide, "Binary Compatibility" and
+    "Application Compatibility"):
+
+    * **native**: the list has machine code (a cubin) for this capability: ``sm_89`` (or ``sm_90a`` on a 9.0 GPU).
+    * **binary-compatible**: a cubin of the same major version and a lower minor one. A cubin for ``sm_8x`` runs
+      on ``sm_8y`` for every y ≥ x, so a build with ``sm_86`` runs on an RTX 4090 or an L4 (``sm_89``). Never
+      across major versions, not for Tegra GPUs (:data:`TEGRA_CAPABILITIES`), and never from an arch-specific
+      cubin (``sm_90a``). The build's own kernels then use only what 8.6 has (no fp8); cuBLAS and cuDNN ship
+      kernels of their own for each GPU.
+    * **PTX JIT**: a ``compute_XY`` entry (PTX, a virtual instruction set) of this capability or an older one. The
+      driver compiles it for this GPU at first use: a slow first start (minutes for all of PyTorch's kernels),
+      cached afterwards (``~/.nv/ComputeCache``).
+    * **unsupported**: none of these. Kernels then fail with "no kernel image is available for execution on the
+      device": install a build that lists this GPU.
+
+    The best entry serves: the native cubin, else the newest compatible cubin, else the newest usable PTX.
+
+    Raises:
+        ValueError: for an arch or a list entry that is not ``sm_XY`` / ``compute_XY`` (optionally with a suffix
+            ``a`` or ``f``).
+    """
+    gpu = arch if isinstance(arch, tuple) else parse_arch(arch)[1]
+    name = f"sm_{gpu[0]}{gpu[1]}"
+    entries = [(entry, *parse_arch(entry)) for entry in arch_list]
+    if not entries:
+        return ArchSupport(name, "unsupported", None,
+                           "this build carries no GPU code (a CPU-only build): install a CUDA build of PyTorch")
+    cubins = [(cc, entry, suffix) for entry, kind, cc, suffix in entries if kind == "sm"]
+    native = [entry for cc, entry, _ in cubins if cc == gpu]
+    if native:
+        return ArchSupport(name, "native", native[0], f"this build carries machine code for {name}")
+    discrete = gpu not in TEGRA_CAPABILITIES
+    compatible = [(cc, entry) for cc, entry, suffix in cubins
+                  if discrete and suffix != "a" and cc not in TEGRA_CAPABILITIES and cc[0] == gpu[0] and cc[1] < gpu[1]]
+    if compatible:
+        cc, entry = max(compatible)
+        return ArchSupport(name, "binary-compatible", entry,
+                           f"it runs the {entry} machine code (a cubin for {cc[0]}.{cc[1]} runs on every {cc[0]}.x "
+                           f"GPU with x ≥ {cc[1]}); this build's own kernels use only what {entry} has")
+    ptx = [(cc, entry) for entry, kind, cc, suffix in entries if kind == "compute" and _ptx_serves(cc, suffix, gpu)]
+    if ptx:
+        cc, entry = max(ptx)
+        return ArchSupport(name, "PTX JIT", entry,
+                           f"no machine code for {name}, but the driver compiles the {entry} PTX for it at first use "
+                           "(slow the first time, cached afterwards)")
+    listed = " ".join(arch_list)
+    if all(cc > gpu for cc, _, _ in cubins):
+        advice = f"this build's GPUs are all newer than {name}: an older PyTorch release may still list it"
+    else:
+        advice = (f"no cubin for {gpu[0]}.x with x ≤ {gpu[1]} and no PTX for {gpu[0]}.{gpu[1]} or older: install a "
+                  f"build that lists {name} (pytorch.org/get-started/locally)")
+    return ArchSupport(name, "unsupported", None, f"{advice} (this build: {listed})")
+
+
+def install_findings(device: torch.device | str | None = None, arch_list: Sequence[str] | None = None) -> list[str]:
+    """What to fix in this install before the course, one sentence each with what to do; empty when nothing.
+
+    Looks at the build (CPU-only?), whether a GPU is seen, whether this build runs on it (:func:`arch_support`, with
+    ``arch_list`` defaulting to ``torch.cuda.get_arch_list()``), bf16, Triton, nvcc and a C++ compiler. Shortfalls
+    that need a measurement (a rate far under the datasheet) are for the caller to add.
+    """
+    device = get_device(device)
+    caps = capabilities(device)
+    found = []
+    if torch.version.cuda is None:
+        found.append("This PyTorch is a CPU-only build. Install a CUDA build: `pip install torch --index-url "
+                     "https://download.pytorch.org/whl/cu128` (pick yours at pytorch.org/get-started/locally).")
+    elif device.type == "cpu" and torch.cuda.is_available():
+        found.append(f"{DEVICE_ENV_VAR}=cpu keeps the course on the CPU, though PyTorch sees "
+                     f"{torch.cuda.device_count()} GPU(s): unset it to use the GPU.")
+    elif device.type == "cpu":
+        found.append(f"PyTorch is a CUDA {torch.version.cuda} build but sees no GPU: {why_no_cuda()}.")
+    if device.type == "cuda":
+        support = arch_support(caps.arch, torch.cuda.get_arch_list() if arch_list is None else arch_list)
+        if support.kind == "unsupported":
+            found.append(f"This build cannot run on this GPU ({caps.arch}): {support.reason}.")
+        elif support.kind == "PTX JIT":
+            found.append(f"{support.reason[0].upper()}{support.reason[1:]}. A build that lists {caps.arch} "
+                         "starts faster.")
+        if not caps.bf16:
+            found.append("No native bf16 (a GPU before Ampere): notebook 03 runs fp16 with a GradScaler only.")
+        if not caps.triton:
+            why = "Triton is not installed" if triton_version() is None else "Triton needs compute capability 7.0+"
+            found.append(f"{why}: torch.compile falls back to eager code and notebook 06 skips its Triton kernel.")
+        if caps.nvcc is None:
+            found.append("No nvcc: notebook 06 skips its CUDA C++ extension (the Triton kernel still runs). Install "
+                         "the CUDA toolkit matching torch.version.cuda to build extensions.")
+    if caps.cxx is None:
+        found.append("No C++ compiler on PATH: torch.compile on CPU and C++ extensions need g++ or clang.")
+    return found
 
 
 def device_slug(device: torch.device | str | None = None) -> str:
@@ -555,3 +766,19 @@ def host_link(device: torch.device | str | None = None) -> HostLink | str:
         except (subprocess.SubprocessError, OSError, ValueError, IndexError):
             why += "; nvidia-smi gave no PCIe reading"
     return f"the host link could not be read ({why})"
+
+
+@contextlib.contextmanager
+def deterministic_algorithms():
+    """``torch.use_deterministic_algorithms(True)`` inside the block, the previous setting restored after it.
+
+    Deterministic kernels replace those that accumulate with atomics in a varying order (``index_add_``,
+    ``scatter_add_``, some backward passes); an op without one raises. On CUDA, cuBLAS also needs
+    ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` (or ``:16:8``) set before the process's first cuBLAS call.
+    """
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(previous)

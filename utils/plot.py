@@ -8,8 +8,12 @@ matplotlib is imported on first use so that ``import utils`` stays light.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # type hints only
+    from utils.env import GpuConditions
 
 
 def format_table(rows: Sequence[Mapping[str, Any]], *, title: str | None = None) -> str:
@@ -217,3 +221,18 @@ def curves(
     fig.tight_layout()
     plt.close(fig)
     return fig
+
+
+def clock_samples(series: Mapping[str, GpuConditions], *, title: str):
+    """The SM clock over time of each measurement (name → its :class:`utils.env.GpuConditions`), the GPU's maximum
+    SM clock as a dashed line. Without readings it prints why and returns None; else the Figure."""
+    missing = [c for c in series.values() if not c.samples]
+    if missing:
+        print(f"No clock plot: {missing[0]}")
+        return None
+    top = max(c.max_sm_clock_mhz or 0.0 for c in series.values())
+    return curves({name: ([s.t_s for s in c.samples],
+                          [s.sm_clock_mhz if s.sm_clock_mhz is not None else math.nan for s in c.samples])
+                   for name, c in series.items()},
+                  xlabel="seconds since the measurement started", ylabel="SM clock (MHz)", markers=False,
+                  hlines={"maximum SM clock": top} if top else None, title=title)

@@ -62,9 +62,14 @@ def min_time_s(answer, *, measured_gbps: float | None = None) -> str:
 
 @exercise("3 · Clock-bound")
 def rate_at_clock(answer, *, burst_tflops: float | None = None, burst_mhz: float | None = None,
-                  sustained_mhz: float | None = None, sustained_tflops: float | None = None) -> str:
+                  sustained_mhz: float | None = None, sustained_tflops: float | None = None,
+                  burst_n: int | None = None, sustained_n: int | None = None) -> str:
     """``answer(tflops, clock_mhz, new_clock_mhz)``: a matmul rate measured at one SM clock, at another clock. The
-    tensor cores' work per clock cycle is fixed, so the rate scales with the clock."""
+    tensor cores' work per clock cycle is fixed, so the rate scales with the clock.
+
+    With the burst and sustained rates measured in the notebook (and their clocks), it says how much of the drop
+    the clock explains; only when both multiplied matrices of the same size (``burst_n`` == ``sustained_n``):
+    otherwise the size differs too, and it says so instead."""
     got = answer(777.0, 1980.0, 1485.0)
     if got is None:
         raise NotImplementedError("rate_at_clock returns None: return TFLOP/s")
@@ -80,6 +85,10 @@ def rate_at_clock(answer, *, burst_tflops: float | None = None, burst_mhz: float
     if not close(float(answer(100.0, 1000.0, 1000.0)), 100.0, rel=1e-9):
         raise Miss("at the same clock it must give the same rate")
     here = ""
+    if burst_n != sustained_n:
+        return (f"the rate scales with the clock. Here the burst multiplied {burst_n}×{burst_n} matrices and the "
+                f"sustained run {sustained_n}×{sustained_n}: their rates differ by size as well as by clock, so the "
+                "clock alone cannot be put against the drop.")
     if burst_tflops and burst_mhz and sustained_mhz and sustained_tflops and burst_tflops > sustained_tflops:
         at_clock = answer(burst_tflops, burst_mhz, sustained_mhz)
         here = (f" Here the burst's {burst_tflops:,.0f} TFLOP/s at {burst_mhz:,.0f} MHz becomes {at_clock:,.0f} at "
