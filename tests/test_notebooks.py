@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ast
-import json
 import re
 import subprocess
 import sys
@@ -14,6 +13,7 @@ import nbformat
 import pytest
 
 from tools import course, readme_tables, reference_run
+from utils.results import RUN_FIELDS, read_results_file
 
 NOTEBOOKS = course.notebooks()
 IDS = [p.name for p in NOTEBOOKS]
@@ -81,7 +81,7 @@ def test_outputs_are_absent_or_stamped_fresh(notebook):
         return
     stamp = nb.metadata.get("reference_run")
     assert stamp, f"{path.name} has outputs but no reference_run stamp: clear them or run tools/reference_run"
-    assert set(stamp) >= {"sources_sha256", "gpu", "torch", "cuda", "date"}
+    assert set(stamp) >= set(RUN_FIELDS), f"{path.name}: the stamp lacks {sorted(set(RUN_FIELDS) - set(stamp))}"
     assert stamp["sources_sha256"] == course.sources_sha256(nb), (
         f"{path.name}: outputs are stale (sources changed since the reference run on {stamp['date']}): "
         "re-run it on a GPU with `python -m tools.reference_run` or clear its outputs"
@@ -99,10 +99,21 @@ def test_stamped_figures_match_results_file(notebook):
 
     results_file = readme_tables.RESULTS_DIR / f"{gpu_slug(stamp['gpu'])}.json"
     assert results_file.exists(), f"{results_file.name} missing: commit what the reference run wrote"
-    committed = json.loads(results_file.read_text()).get(path.stem)
-    assert committed == reference_run.recorded_results(nb), (
+    committed = read_results_file(results_file).get(path.stem)
+    assert committed is not None, f"{results_file.name} has no entry for {path.stem}: commit what the run wrote"
+    assert committed["figures"] == reference_run.recorded_results(nb), (
         f"{results_file.name}[{path.stem}] differs from the figures recorded in the notebook's outputs"
     )
+    assert committed["run"] == dict(stamp), f"{results_file.name}[{path.stem}]'s run record is not the notebook's stamp"
+
+
+def test_run_time_line_is_the_stamps(notebook):
+    """The title's Run-time line is written from the stamp (or says it is not measured yet): `tools.course --sync`."""
+    path, nb = notebook
+    found = course.RUN_TIME_LINE.search(course.cell_source(nb.cells[0]))
+    expected = course.run_time_line(course.stamp_of(nb))
+    assert found and found.group(0) == expected, (
+        f"{path.name}: the Run-time line must read {expected!r}: run `python -m tools.course --sync`")
 
 
 # ── Deprecated APIs ────────────────────────────────────────────────────────────────────────────────────────

@@ -1,5 +1,6 @@
-"""utils.results: recording headline figures."""
+"""utils.results: recording headline figures, and the results files that keep them."""
 
+import json
 import math
 
 import pytest
@@ -28,10 +29,47 @@ def test_record_rejects_bad_figures(name, value, unit):
         results.record(name, value, unit)
 
 
+RUN = {"date": "2026-11-28", "gpu": "NVIDIA H200", "gpus": 1, "cpus": 16, "torch": "2.11.0+cu130", "cuda": "13.0",
+       "wall_s": 126.4, "sources_sha256": "ab" * 32}
+
+
 def test_reference_results_reads_every_gpus_file(tmp_path):
-    (tmp_path / "h200.json").write_text('{"00_install_check": {"copy_gbps": {"value": 4261.0, "unit": "GB/s"}}}')
+    entry = {"run": RUN, "figures": {"copy_gbps": {"value": 4261.0, "unit": "GB/s"}}}
+    (tmp_path / "h200.json").write_text(json.dumps({"00_install_check": entry}))
     (tmp_path / "a100.json").write_text("{}")
     (tmp_path / "notes.txt").write_text("not a results file")
     found = results.reference_results(tmp_path)
-    assert list(found) == ["a100", "h200"] and found["h200"]["00_install_check"]["copy_gbps"]["value"] == 4261.0
+    assert list(found) == ["a100", "h200"] and found["h200"]["00_install_check"] == entry
     assert results.reference_results(tmp_path / "missing") == {}
+
+
+def test_a_results_file_from_before_run_records_reads_without_one(tmp_path):
+    """A reader's older t4.json holds {stem: {name: payload}}: its figures read, with "run": None."""
+    (tmp_path / "t4.json").write_text('{"00_install_check": {"copy_gbps": {"value": 300.0, "unit": "GB/s"}}}')
+    assert results.read_results_file(tmp_path / "t4.json") == {
+        "00_install_check": {"run": None, "figures": {"copy_gbps": {"value": 300.0, "unit": "GB/s"}}}}
+    (tmp_path / "bad.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="maps notebook stems"):
+        results.read_results_file(tmp_path / "bad.json")
+
+
+def test_write_results_entry_replaces_one_notebook_and_keeps_the_others(tmp_path):
+    path = tmp_path / "h100.json"
+    (tmp_path / "h100.json").write_text('{"01_b": {"y": {"value": 2.0, "unit": "s"}}}')  # the older format too
+    results.write_results_entry(path, "00_a", RUN, {"x": {"value": 1.0, "unit": "s"}})
+    results.write_results_entry(path, "00_a", None, {"z": {"value": 3.0, "unit": "µs"}})
+    data = json.loads(path.read_text(encoding="utf-8"))
+    assert list(data) == ["00_a", "01_b"]  # notebooks in name order
+    assert data == {"00_a": {"run": None, "figures": {"z": {"value": 3.0, "unit": "µs"}}},
+                    "01_b": {"run": None, "figures": {"y": {"value": 2.0, "unit": "s"}}}}
+    assert set(RUN) == set(results.RUN_FIELDS)
+
+
+def test_a_recorded_payload_reads_back_as_the_same_result():
+    """What record() displays (Result.payload(), the results file's format) reads back whole: band and limit too."""
+    rate = results.Result("copy_gbps", 3000.0, "GB/s", band=(2900.0, 3100.0), limit=3350.0, limit_name="the datasheet")
+    epoch = results.Result("epoch_s", 0.002, "s", limit=0.001, limit_name="the arithmetic floor")
+    plain = results.Result("speedup", 2.0, "x")
+    for result in (rate, epoch, plain):
+        assert results.from_payload(result.name, json.loads(json.dumps(result.payload()))) == result
+    assert results.from_payload("epoch_s", epoch.payload()).percent_of_limit == pytest.approx(50)

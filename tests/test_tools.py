@@ -1,4 +1,5 @@
-"""tools/: the stamp hash, the reference-run tool (on CPU, --allow-cpu) and README's generated tables."""
+"""tools/: the stamp hash and Run-time line, the reference-run tool (on CPU, --allow-cpu), README's generated
+results, targets and charts."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import nbformat
 import pytest
 
 from tools import course, readme_tables, reference_run
+from utils import results
 
 
 def _notebook(*code_cells: str, markdown: str = "# 99 · Test") -> nbformat.NotebookNode:
@@ -31,6 +33,53 @@ def test_sources_sha256_follows_the_documented_formula():
     assert course.sources_sha256(nb) != expected
 
 
+def test_sources_sha256_leaves_out_the_run_time_line_alone():
+    """The stamp writes the title's Run-time line, so its text does not count; the rest of the title does."""
+    title = "# 99 · Test\n\n**Runs on:** CPU · any GPU.\n**Run time:** {}\n\nMore."
+    hashes = {course.sources_sha256(_notebook("x = 1", markdown=title.format(text)))
+              for text in ("about a minute\non a GPU.", course.RUN_TIME_UNMEASURED.removeprefix("**Run time:** "))}
+    assert len(hashes) == 1
+    assert course.sources_sha256(_notebook("x = 1", markdown=title.format("a minute").replace("More", "Less"))) \
+        not in hashes
+    assert course.sources_sha256(_notebook("x = 1", markdown=title.format("a minute").replace("CPU", "GPU"))) \
+        not in hashes
+    # the label itself counts (a title without the line is another title), and only in the title cell
+    assert course.sources_sha256(_notebook("x = 1", markdown="# 99 · Test\n\n**Runs on:** CPU · any GPU.\n\nMore.")) \
+        not in hashes
+
+
+def test_run_time_line_from_the_stamp():
+    stamp = {"date": "2026-11-28", "gpu": "NVIDIA H200", "gpus": 1, "cpus": 16, "wall_s": 126.0}
+    budget = "on a CPU-only machine it is sized to finish within 2 minutes."
+    assert course.run_time_line(stamp) == (
+        f"**Run time:** 2.1 min on one NVIDIA H200 with 16 CPU cores (reference run, 2026-11-28); {budget}")
+    assert course.run_time_line({**stamp, "wall_s": 95.4, "gpus": 2, "cpus": None}) == (
+        f"**Run time:** 95 s on 2 × NVIDIA H200 (reference run, 2026-11-28); {budget}")
+    unmeasured = f"**Run time:** not yet measured on a GPU by a reference run; {budget}"
+    assert course.run_time_line(None) == unmeasured == course.RUN_TIME_UNMEASURED
+    assert course.run_time_line({**stamp, "wall_s": None}) == unmeasured  # a stamp from before wall times
+
+
+def test_sync_rewrites_the_run_time_paragraph_from_the_stamp():
+    title = ("# 99 · Test\n\n**Runs on:** CPU · any GPU.\n**Run time:** about a minute on a GPU,\n"
+             "more on a T4; under a minute on CPU.\n\n- a list after it")
+    nb = _notebook("x = 1", markdown=title)
+    before = course.sources_sha256(nb)
+    assert course.sync_run_time_line(nb) and not course.sync_run_time_line(nb)
+    assert course.cell_source(nb.cells[0]) == (
+        f"# 99 · Test\n\n**Runs on:** CPU · any GPU.\n{course.RUN_TIME_UNMEASURED}\n\n- a list after it")
+    stamp = {"date": "2026-11-28", "gpu": "NVIDIA H100 80GB HBM3", "gpus": 1, "cpus": 2, "wall_s": 30.0}
+    nb.metadata["reference_run"] = stamp
+    assert not course.sync_run_time_line(nb), "a stamp without outputs is not a run the notebook shows"
+    nb.cells[1].outputs = [nbformat.v4.new_output("stream", text="1\n")]
+    assert course.sync_run_time_line(nb)
+    assert course.run_time_line(stamp) in course.cell_source(nb.cells[0])
+    assert course.sources_sha256(nb) == before
+    untitled = _notebook("x = 1", markdown="# 99 · Test")
+    assert course.sync_run_time_line(untitled)
+    assert course.cell_source(untitled.cells[0]) == f"# 99 · Test\n{course.RUN_TIME_UNMEASURED}"
+
+
 def test_colab_url_points_at_the_notebook():
     path = course.NOTEBOOK_DIR / "00_install_check.ipynb"
     assert course.colab_url(path) == (
@@ -46,23 +95,62 @@ RECORDING_CELL = (
 )
 
 
+STAMP_FIELDS = {"sources_sha256", "gpu", "gpus", "cpus", "torch", "cuda", "date", "wall_s"}
+FIGURES = {"answer_gbps": {"value": 42.5, "unit": "GB/s"}, "speedup": {"value": 2.0, "unit": "x"}}
+
+
 def test_reference_run_executes_stamps_and_collects(tmp_path, capsys):
     path = tmp_path / "99_test.ipynb"
-    nbformat.write(_notebook(RECORDING_CELL), path)
+    nbformat.write(_notebook(RECORDING_CELL, markdown="# 99 · Test\n**Run time:** old text"), path)
     results_dir = tmp_path / "results"
     assert reference_run.main([str(path), "--allow-cpu", "--results-dir", str(results_dir)]) == 0
 
     nb = nbformat.read(path, as_version=4)
     stamp = nb.metadata["reference_run"]
+    assert set(stamp) == STAMP_FIELDS == set(results.RUN_FIELDS)
     assert stamp["sources_sha256"] == course.sources_sha256(nb)
     machine, slug = reference_run.machine_stamp(allow_cpu=True)  # "cpu" here; the GPU on a GPU machine
-    assert stamp["gpu"] == machine["gpu"] and stamp["gpus"] == machine["gpus"]
-    assert set(stamp) == {"sources_sha256", "gpu", "gpus", "torch", "cuda", "date"}
-    assert course.has_outputs(nb)
-    figures = json.loads((results_dir / f"{slug}.json").read_text())
-    assert figures == {"99_test": {"answer_gbps": {"value": 42.5, "unit": "GB/s"},
-                                   "speedup": {"value": 2.0, "unit": "x"}}}
+    assert stamp["gpu"] == machine["gpu"] and stamp["gpus"] == min(machine["gpus"], 1)
+    assert stamp["cpus"] == reference_run.usable_cpus() >= 1
+    assert 0 < stamp["wall_s"] < 120
+    assert course.has_outputs(nb) and not any("execution" in cell.metadata for cell in nb.cells)
+    assert course.cell_source(nb.cells[0]) == f"# 99 · Test\n{course.run_time_line(stamp)}"
+    assert json.loads((results_dir / f"{slug}.json").read_text()) == {"99_test": {"run": stamp, "figures": FIGURES}}
     assert "ok 99_test.ipynb" in capsys.readouterr().out
+
+
+def test_recorded_results_keep_band_and_limit():
+    """A figure recorded with its band and limit is filed with them (the payload utils.results displays)."""
+    nb = _notebook("")
+    figure = results.Result("copy_gbps", 3000.0, "GB/s", band=(2900.0, 3100.0), limit=3350.0, limit_name="sheet")
+    nb.cells[1].outputs = [nbformat.v4.new_output("display_data", data={
+        "text/plain": f"📌 {figure}", results.MIME_TYPE: {"name": "copy_gbps", **figure.payload()}})]
+    assert reference_run.recorded_results(nb) == {"copy_gbps": {"value": 3000.0, "unit": "GB/s",
+                                                                "band": [2900.0, 3100.0],
+                                                                "limit": {"name": "sheet", "value": 3350.0}}}
+
+
+def test_wall_seconds_span_the_cells_timings():
+    nb = _notebook("a", "b", "c")
+    nb.cells[1].metadata["execution"] = {"iopub.execute_input": "2026-11-28T10:00:00.500Z",
+                                         "shell.execute_reply": "2026-11-28T10:01:00Z"}
+    nb.cells[3].metadata["execution"] = {"iopub.execute_input": "2026-11-28T10:01:00.100Z",
+                                         "shell.execute_reply": "2026-11-28T10:02:05.000Z"}
+    assert reference_run.wall_seconds(nb) == 124.5  # cell 2 has no timings: not counted, not a failure
+    reference_run.drop_cell_timings(nb)
+    assert reference_run.wall_seconds(nb) is None
+
+
+def test_run_record_counts_the_gpus_a_notebook_used():
+    machine = {"gpu": "NVIDIA H200", "gpus": 4, "cpus": 64, "torch": "2.11", "cuda": "13.0", "date": "2026-11-28"}
+    one, every = _notebook("x = 1"), _notebook("x = 1")
+    every.metadata["course"] = {"gpus": "all"}
+    assert reference_run.run_record(one, machine)["gpus"] == 1
+    assert reference_run.run_record(every, machine)["gpus"] == 4
+    assert reference_run.run_record(one, {**machine, "gpus": 0})["gpus"] == 0
+    assert "shared_host" not in reference_run.run_record(one, machine)
+    assert reference_run.run_record(one, {**machine, "shared_host": True})["shared_host"] is True
+    assert tuple(reference_run.run_record(one, machine)) == results.RUN_FIELDS
 
 
 def test_reference_run_leaves_a_failing_notebook_untouched(tmp_path):
@@ -94,17 +182,24 @@ def test_stamp_executed_adopts_what_nbmake_ran(tmp_path, capsys):
     path = tmp_path / "99_test.ipynb"
     nbformat.write(_notebook(RECORDING_CELL), path)
     copy = _executed_by_nbmake(path, tmp_path / "executed")
-    assert "execution" in nbformat.read(copy, as_version=4).cells[1].metadata  # nbmake's cell timing
+    executed = nbformat.read(copy, as_version=4)
+    assert "execution" in executed.cells[1].metadata  # nbmake's cell timing
     results_dir = tmp_path / "results"
     assert reference_run.main([str(path), "--allow-cpu", "--results-dir", str(results_dir),
                                "--stamp-executed", str(copy.parent)]) == 0
 
     nb = nbformat.read(path, as_version=4)
-    assert nb.metadata["reference_run"]["sources_sha256"] == course.sources_sha256(nb)
+    stamp = nb.metadata["reference_run"]
+    assert stamp["sources_sha256"] == course.sources_sha256(nb)
+    assert stamp["wall_s"] == reference_run.wall_seconds(executed) > 0  # read before nbmake's timings go
     assert course.has_outputs(nb) and "execution" not in nb.cells[1].metadata
     slug = reference_run.machine_stamp(allow_cpu=True)[1]
-    assert json.loads((results_dir / f"{slug}.json").read_text())["99_test"]["speedup"] == {"value": 2.0, "unit": "x"}
+    entry = json.loads((results_dir / f"{slug}.json").read_text())["99_test"]
+    assert entry == {"run": stamp, "figures": FIGURES}
     assert "stamped from" in capsys.readouterr().out
+
+
+H200 = {"gpu": "NVIDIA H200", "gpus": 1, "cpus": 16, "torch": "2.11.0+cu130", "cuda": "13.0", "date": "2026-11-23"}
 
 
 def test_stamp_executed_records_the_machine_that_executed(tmp_path):
@@ -114,20 +209,71 @@ def test_stamp_executed_records_the_machine_that_executed(tmp_path):
     copy = _executed_by_nbmake(path, tmp_path / "executed")
     machine = tmp_path / "machine.json"
     assert reference_run.main(["--allow-cpu", "--write-machine", str(machine)]) == 0
-    assert set(json.loads(machine.read_text())) == {"gpu", "gpus", "torch", "cuda", "date"}
-    h200 = {"gpu": "NVIDIA H200", "gpus": "1", "torch": "2.11.0+cu130", "cuda": "13.0", "date": "2026-11-23"}
-    machine.write_text(json.dumps(h200))
+    assert set(json.loads(machine.read_text())) == set(reference_run.MACHINE_FIELDS)
+    machine.write_text(json.dumps(H200))
     results_dir = tmp_path / "results"
     assert reference_run.main([str(path), "--results-dir", str(results_dir), "--stamp-executed", str(copy.parent),
                                "--machine", str(machine)]) == 0
     stamp = nbformat.read(path, as_version=4).metadata["reference_run"]
-    assert {k: stamp[k] for k in h200} == h200
-    assert "99_test" in json.loads((results_dir / "h200.json").read_text())
+    assert {k: stamp[k] for k in H200} == H200
+    assert course.run_time_line(stamp) in course.cell_source(nbformat.read(path, as_version=4).cells[0])
+    assert json.loads((results_dir / "h200.json").read_text())["99_test"]["run"] == stamp
     machine.write_text(json.dumps({"gpu": "NVIDIA H200"}))
     with pytest.raises(SystemExit, match="lacks"):
         reference_run.main([str(path), "--stamp-executed", str(copy.parent), "--machine", str(machine)])
     with pytest.raises(SystemExit, match="goes with --stamp-executed"):
         reference_run.main([str(path), "--machine", str(machine)])
+
+
+def test_a_shared_host_is_collected_but_never_stamped(tmp_path):
+    """PARALLEL=1 bash .ci/gpu-run writes machine.json with --shared-host: its copies' figures are collected, with a
+    run record that says so, and --stamp-executed refuses them (the notebooks ran side by side)."""
+    path = tmp_path / "99_test.ipynb"
+    nbformat.write(_notebook("x = 1"), path)
+    copy = tmp_path / "executed" / path.name  # what nbmake left, without its cell timings
+    copy.parent.mkdir()
+    executed = _notebook("x = 1")
+    executed.cells[1].execution_count = 1
+    nbformat.write(executed, copy)
+    machine = tmp_path / "machine.json"
+    assert reference_run.main(["--allow-cpu", "--write-machine", str(machine), "--shared-host"]) == 0
+    assert json.loads(machine.read_text())["shared_host"] is True
+    machine.write_text(json.dumps({**H200, "shared_host": True}))
+    before = path.read_text()
+    with pytest.raises(SystemExit, match="shared the host"):
+        reference_run.main([str(path), "--stamp-executed", str(copy.parent), "--machine", str(machine)])
+    assert path.read_text() == before
+    assert reference_run.main(["--collect-only", "--machine", str(machine), "--results-dir", str(tmp_path / "r"),
+                               str(copy)]) == 0
+    run = json.loads((tmp_path / "r" / "h200.json").read_text())["99_test"]["run"]
+    assert run["shared_host"] is True and run["gpu"] == "NVIDIA H200" and run["wall_s"] is None  # no timings
+    with pytest.raises(SystemExit, match="goes with --write-machine"):
+        reference_run.main(["--allow-cpu", "--shared-host"])
+
+
+def test_collect_only_files_another_gpus_figures_with_their_run_record(tmp_path, capsys):
+    """.ci/gpu-run's --collect-only: the figures of what nbmake executed, with a run record (the machine from
+    machine.json, the wall time from the copy's cell timings, the hash of its sources); nothing is stamped."""
+    path = tmp_path / "99_test.ipynb"
+    nbformat.write(_notebook(RECORDING_CELL), path)
+    copy = _executed_by_nbmake(path, tmp_path / "executed")
+    h100 = {**H200, "gpu": "NVIDIA H100 80GB HBM3", "cpus": 2, "gpus": 4}
+    (tmp_path / "machine.json").write_text(json.dumps(h100))
+    results_dir = tmp_path / "results"
+    (results_dir).mkdir()
+    (results_dir / "h100.json").write_text('{"00_old": {"x": {"value": 1.0, "unit": "s"}}}')  # older format
+    executed = copy.read_text()
+    assert reference_run.main(["--collect-only", "--machine", str(tmp_path / "machine.json"), "--results-dir",
+                               str(results_dir), str(copy)]) == 0
+    assert copy.read_text() == executed and "reference_run" not in nbformat.read(copy, as_version=4).metadata
+    filed = json.loads((results_dir / "h100.json").read_text())
+    run = filed["99_test"]["run"]
+    assert run == {**{k: h100[k] for k in ("date", "gpu", "cpus", "torch", "cuda")}, "gpus": 1,
+                   "wall_s": reference_run.wall_seconds(nbformat.read(copy, as_version=4)),
+                   "sources_sha256": course.sources_sha256(nbformat.read(path, as_version=4))}
+    assert run["wall_s"] > 0 and filed["99_test"]["figures"] == FIGURES
+    assert filed["00_old"] == {"run": None, "figures": {"x": {"value": 1.0, "unit": "s"}}}
+    assert "collected 99_test.ipynb: 2 figures" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("damage, message", [
@@ -161,42 +307,116 @@ def test_reference_run_refuses_cpu_without_the_flag(monkeypatch):
         reference_run.machine_stamp(allow_cpu=False)
 
 
-def test_merge_results_keeps_other_notebooks(tmp_path):
-    reference_run.merge_results("h100", "00_a", {"x": {"value": 1.0, "unit": "s"}}, tmp_path)
-    reference_run.merge_results("h100", "01_b", {"y": {"value": 2.0, "unit": "s"}}, tmp_path)
-    reference_run.merge_results("h100", "00_a", {"z": {"value": 3.0, "unit": "s"}}, tmp_path)
-    assert json.loads((tmp_path / "h100.json").read_text()) == {
-        "00_a": {"z": {"value": 3.0, "unit": "s"}}, "01_b": {"y": {"value": 2.0, "unit": "s"}}}
+SOURCES = {"00_install_check": "now-00", "02_training_loop": "now-02"}  # stand-ins for the notebooks' hashes
 
 
-def test_readme_tables_render_headlines_and_one_column_per_gpu(tmp_path):
-    (tmp_path / "h200.json").write_text(json.dumps({"00_install_check": {
+def _run(sources_sha256: str | None, **more) -> dict | None:
+    if sources_sha256 is None:
+        return None
+    return {"date": "2026-11-28", "gpu": "NVIDIA H200", "gpus": 1, "cpus": 16, "torch": "2.11.0+cu130",
+            "cuda": "13.0", "wall_s": 60.0, "sources_sha256": sources_sha256, **more}
+
+
+def _results_dir(tmp_path, monkeypatch):
+    """Two GPUs' results: the H200's of the current sources (with limits), the H100's of an earlier version."""
+    monkeypatch.setattr(readme_tables, "current_sources", lambda: dict(SOURCES))
+    h200 = {"00_install_check": {"run": _run("now-00"), "figures": {
         "matmul_tflops_bf16_burst": {"value": 777.8, "unit": "TFLOP/s"},
-        "matmul_tflops_bf16_sustained": {"value": 665.0, "unit": "TFLOP/s"},
-        "copy_gbps": {"value": 4262.0, "unit": "GB/s"}}}))
-    (tmp_path / "h100.json").write_text(json.dumps({"00_install_check": {
-        "copy_gbps": {"value": 3011.0, "unit": "GB/s"}, "matmul_tflops_fp32": {"value": 51.6, "unit": "TFLOP/s"}}}))
-    readme = ("intro\n<!-- badges:start -->\nold\n<!-- badges:end -->\n<!-- notebooks:start -->\nold\n"
-              "<!-- notebooks:end -->\n<!-- results:start -->\nold\n<!-- results:end -->\n")
-    text = readme_tables.render(readme, tmp_path)
+        "matmul_tflops_bf16": {"value": 665.0, "unit": "TFLOP/s", "band": [660.0, 670.0],
+                               "limit": {"name": "the bf16 datasheet peak", "value": 989.0}},
+        "copy_gbps": {"value": 4262.0, "unit": "GB/s"}}},
+        "02_training_loop": {"run": _run("now-02"), "figures": {
+            "epoch_s_seed_loop": {"value": 0.21, "unit": "s"}, "epoch_s_systems": {"value": 0.0067, "unit": "s"},
+            "epoch_s_optimized": {"value": 0.0014, "unit": "s",
+                                  "limit": {"name": "the arithmetic floor", "value": 0.0007}},
+            "test_accuracy_optimized": {"value": 95.0, "unit": "%"},
+            "speedup_systems": {"value": 31.3, "unit": "x"}, "speedup_overall": {"value": 14.96, "unit": "x"}}}}
+    h100 = {"00_install_check": {"run": _run("then-00"), "figures": {
+        "copy_gbps": {"value": 3011.0, "unit": "GB/s"}, "matmul_tflops_fp32": {"value": 51.6, "unit": "TFLOP/s"}}},
+        "02_training_loop": {"run": None, "figures": {"speedup_systems": {"value": 7.96, "unit": "x"}}}}
+    (tmp_path / "h200.json").write_text(json.dumps(h200))
+    (tmp_path / "h100.json").write_text(json.dumps(h100))
+    return tmp_path
+
+
+README_MARKERS = ("intro\n<!-- badges:start -->\nold\n<!-- badges:end -->\n<!-- notebooks:start -->\nold\n"
+                  "<!-- notebooks:end -->\n<!-- results:start -->\nold\n<!-- results:end -->\n")
+
+
+def test_readme_results_one_row_per_headline_one_column_per_gpu(tmp_path, monkeypatch):
+    text = readme_tables.render(README_MARKERS, _results_dir(tmp_path, monkeypatch))
     assert "actions/workflows/cpu.yml/badge.svg" in text
-    assert "bf16 matmul 778 burst / 665 sustained TFLOP/s · copy 4,262 GB/s" in text  # the H200's headline
-    assert "| Notebook | Figure | H200 | H100 |" in text  # the reference GPU first
-    assert "| 00_install_check | `copy_gbps` | 4,262 GB/s | 3,011 GB/s |" in text
-    assert "| 00_install_check | `matmul_tflops_fp32` | — | 51.6 TFLOP/s |" in text  # recorded on one GPU only
     assert "old" not in text and text.startswith("intro\n")
+    assert "| # | Notebook | H200 | H100 |" in text  # the reference GPU first
+    rows = {line.split(" | ")[0]: line for line in text.splitlines() if line.startswith("| 0")}
+    h200 = "bf16 matmul 778 burst / 665 sustained TFLOP/s (67% of the bf16 datasheet peak) · copy 4,262 GB/s"
+    assert f" | {h200} | bf16 matmul — burst / — sustained TFLOP/s · copy 3,011 GB/s † |" in rows["| 00"]
+    assert f"| {h200} |" in text.split("<!-- notebooks:end -->")[0]  # the notebook table: the H200's headline
+    # a time against its floor: floor / time; a GPU without the headline's figures: "—"
+    assert ("epoch 0.210 s → 0.0067 s (same batch) → 0.0014 s (50% of the arithmetic floor) at 95.0% test accuracy"
+            " | — |") in rows["| 02"]
+    assert "| 01 | [Device management](notebooks/01_device_management.ipynb) | — | — |" in text
+    assert readme_tables.STALE_NOTE in text
+    assert "[`results/h200.json`](results/h200.json) · [`results/h100.json`](results/h100.json)" in text
+    assert "![H200: headline figures as a % of their limit](results/h200.png)" in text
+    assert "| Notebook | Figure |" not in text  # the raw figures stay in the JSON files
 
 
-def test_headline_names_how_many_reference_gpus_a_notebook_used():
+def test_readme_targets_met_not_met_not_measured(tmp_path, monkeypatch):
+    text = readme_tables.render(README_MARKERS, _results_dir(tmp_path, monkeypatch))
+    targets = {line.split(" | ")[0]: line for line in text.splitlines() if line.startswith("| 02 · ")}
+    assert targets["| 02 · systems-only speed-up at the seed's batch ≥ 8×"].endswith(
+        "| met (31.3×) | not met (7.96×) † |")  # the H100's run has no record: †
+    assert targets["| 02 · overall speed-up ≥ 15×"].endswith("| not met (14.96×) | not measured |")  # never "15.0×"
+    assert "| 10 · DDP on 4 GPUs ≥ 3.6× one GPU (90% efficiency) | not measured | not measured |" in text
+    assert "(on the H200) | not measured | — |" in text  # a target set for the H200 alone
+
+
+def test_targets_read_ratios_percentages_and_other_figures():
+    figures = {"a": {"value": 3.0, "unit": "ms"}, "b": {"value": 1.0, "unit": "ms"},
+               "fast_gbps": {"value": 2850.0, "unit": "GB/s", "limit": {"name": "copy", "value": 3000.0}},
+               "copy_gbps": {"value": 3000.0, "unit": "GB/s"}}
+    entry = {"run": _run("now"), "figures": figures}
+
+    def cell(figure, comparison, threshold):
+        return readme_tables.target_cell(readme_tables.Target("x", figure, comparison, threshold, "t"), "h200",
+                                         entry, "now")
+
+    assert cell("a / b", ">=", 2.5) == "met (3.0×)"
+    assert cell("fast_gbps %", ">=", 90) == "met (95.0%)"  # the figure's % of its limit
+    assert cell("fast_gbps / copy_gbps %", ">=", 96) == "not met (95.0%)"
+    assert cell("b", "<", "a") == "met (1.0 ms vs 3.0 ms)"
+    assert cell("copy_gbps %", ">=", 90) == cell("missing", ">=", 1) == "not measured"  # no limit; no figure
+    assert set(readme_tables.COMPARISONS) >= {t.comparison for t in readme_tables.TARGETS}
+    assert {t.notebook for t in readme_tables.TARGETS} <= set(readme_tables.NOTEBOOKS)
+
+
+def test_each_gpu_gets_its_chart(tmp_path, monkeypatch):
+    results_dir = _results_dir(tmp_path, monkeypatch)
+    assert [p.name for p in readme_tables.missing_charts(results_dir)] == ["h100.png", "h200.png"]
+    written = readme_tables.write_charts(results_dir)
+    assert sorted(p.name for p in written) == ["h100.png", "h200.png"]
+    assert all(p.read_bytes().startswith(b"\x89PNG") for p in written)
+    assert readme_tables.missing_charts(results_dir) == []
+    bars = readme_tables.chart_bars(readme_tables.reference_results(results_dir)["h200"], SOURCES)
+    assert bars == [("00 matmul_tflops_bf16 (of the bf16 datasheet peak)", pytest.approx(100 * 665 / 989)),
+                    ("02 epoch_s_optimized (of the arithmetic floor)", pytest.approx(50.0))]
+
+
+def test_headline_names_how_many_gpus_a_run_used():
     figures = {"allreduce_busbw_gbps": 324.8, "ddp_scaling_2gpu": 1.914, "fsdp_peak_mem_ratio_vs_ddp": 0.5706}
-    line = readme_tables.headline("10_multi_gpu", {k: {"value": v, "unit": ""} for k, v in figures.items()})
-    assert line == "on 2 × H200: all-reduce 325 GB/s bus · DDP 2 GPUs 1.91× · FSDP2 peak memory 0.57× DDP"
-    assert readme_tables.headline("10_multi_gpu", {}) == "not yet run on the reference GPU"
-    assert readme_tables.headline("10_multi_gpu", {"x": {"value": 1.0, "unit": ""}}).startswith("on 2 × H200: (figure")
+    payloads = {k: {"value": v, "unit": ""} for k, v in figures.items()}
+    line = readme_tables.headline("10_multi_gpu", payloads, gpus=2)
+    assert line == "on 2 GPUs: all-reduce 325 GB/s bus · DDP 2 GPUs 1.91× · FSDP2 peak memory 0.57× DDP"
+    assert readme_tables.headline("10_multi_gpu", {}) == "—"
+    assert readme_tables.headline("10_multi_gpu", {"x": {"value": 1.0, "unit": ""}}) == "—"
     one = readme_tables.headline("03_mixed_precision", {"step_ms_fp32": {"value": 59.0, "unit": "ms"},
                                                          "step_ms_bf16": {"value": 14.0, "unit": "ms"}})
     assert one == "step 59 ms fp32 → 14 ms bf16", "a notebook on one GPU: no count"
-    assert set(readme_tables.REFERENCE_GPUS_USED) <= set(readme_tables.NOTEBOOKS)
+    entry = {"run": _run("now", gpus=2), "figures": payloads}
+    assert readme_tables.result_cell("10_multi_gpu", entry, "now").startswith("on 2 GPUs: all-reduce")
+    assert readme_tables.result_cell("10_multi_gpu", {**entry, "run": _run("now", shared_host=True)},
+                                     "now").endswith("DDP ‡")
 
 
 def test_readme_tables_need_their_markers():
@@ -205,10 +425,16 @@ def test_readme_tables_need_their_markers():
 
 
 def test_headline_for_a_notebook_not_yet_run():
-    assert readme_tables.headline("00_install_check", None) == "not yet run on the reference GPU"
-    assert readme_tables.headline("10_multi_gpu", None) == "not yet run on the reference GPU"
+    assert readme_tables.headline("00_install_check", None) == "—"
+    assert readme_tables.result_cell("10_multi_gpu", None, "now") == "—"
     with pytest.raises(KeyError, match="add '77_unknown'"):
         readme_tables.headline("77_unknown", {})
+
+
+def test_readme_check_fails_for_a_missing_chart(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(readme_tables, "missing_charts", lambda: [course.ROOT / "results" / "t4.png"])
+    assert readme_tables.main(["--check"]) == 1
+    assert "results/t4.png is missing" in capsys.readouterr().err
 
 
 def tqdm_widget_notebook(bars: dict[str, dict]) -> nbformat.NotebookNode:

@@ -148,7 +148,8 @@ def test_gpu_run_collects_only_the_notebooks_it_executed(tmp_path, monkeypatch, 
                             env=_gpu_run_env(PYTHON=str(fake), UNIT_TESTS="0"))
     assert result.returncode == 0, result.stderr
     collect = [line for line in calls.read_text().splitlines() if "--collect-only" in line]
-    assert collect == ["-m tools.reference_run --collect-only --results-dir results notebooks/04_torch_compile.ipynb"]
+    assert collect == ["-m tools.reference_run --collect-only --machine machine.json --results-dir results "
+                       "notebooks/04_torch_compile.ipynb"]
     pytest_call = [line for line in calls.read_text().splitlines() if line.startswith("-m pytest")]
     assert pytest_call and pytest_call[0].endswith("--overwrite notebooks/04_torch_compile.ipynb")
     assert (repo / "build" / "gpu-run" / "notebooks" / "00_install_check.ipynb").exists()
@@ -156,7 +157,8 @@ def test_gpu_run_collects_only_the_notebooks_it_executed(tmp_path, monkeypatch, 
 
 def test_gpu_run_parallel_mode_hands_the_notebooks_to_the_queue(tmp_path):
     """PARALLEL=1 bash .ci/gpu-run: the notebooks (a directory expanded) and the unit tests go to
-    tools.parallel_nbmake, and no machine.json is written (its timings are not for --stamp-executed)."""
+    tools.parallel_nbmake, and machine.json is written with --shared-host (its timings are not for --stamp-executed;
+    the run records collected from it say so)."""
     if shutil.which("git") is None or shutil.which("tar") is None:
         pytest.skip("needs git and tar")
     repo = _checkout_with_gpu_run(tmp_path, {"notebooks/00_a.ipynb": "{}\n", "notebooks/10_b.ipynb": "{}\n"})
@@ -168,7 +170,9 @@ def test_gpu_run_parallel_mode_hands_the_notebooks_to_the_queue(tmp_path):
                             env=_gpu_run_env(PYTHON=str(fake), PARALLEL="1", CELL_TIMEOUT="99"))
     assert result.returncode == 0, result.stderr
     calls = log.read_text().splitlines()
-    assert not any("--write-machine" in c or c.startswith("-m pytest") for c in calls)
+    assert not any(c.startswith("-m pytest") for c in calls)
+    assert [c for c in calls if "--write-machine" in c] == ["-m tools.reference_run --write-machine machine.json "
+                                                              "--shared-host"]
     queued = [c for c in calls if c.startswith("-m tools.parallel_nbmake")]
     assert queued == ["-m tools.parallel_nbmake --cell-timeout 99 --logs logs --unit-tests "
                       "notebooks/00_a.ipynb notebooks/10_b.ipynb"]

@@ -11,8 +11,9 @@ The jobs share the host's CPU cores, memory and PCIe. Each one-GPU job gets an e
 thread pools, ``OMP_NUM_THREADS`` and Inductor's compile workers (``TORCHINDUCTOR_COMPILE_THREADS``), unless the
 run sets them itself: without it, four notebooks compiling at once would each start as many workers as the host
 has cores (up to 32). What the jobs check (that every cell runs and every result is right) holds, but their
-timings are not reference timings. So a parallel run writes no ``machine.json`` and its executed notebooks are not
-for ``tools.reference_run --stamp-executed``; time on a quiet machine for that.
+timings are not reference timings. So a parallel run's ``machine.json`` is marked ``shared_host``
+(``--write-machine --shared-host``), which ``tools.reference_run --stamp-executed`` refuses; time on a quiet machine
+for that.
 
     python -m tools.parallel_nbmake --gpus 4 --cell-timeout 1800 --unit-tests notebooks/*.ipynb
 

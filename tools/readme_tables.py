@@ -1,47 +1,55 @@
-"""Generate README's notebook table and results table from the notebooks and ``results/*.json``.
+"""Generate README's notebook table, its results and course targets, and a chart per GPU, from ``results/*.json``.
 
-    python -m tools.readme_tables          # rewrite the two tables in README.md
-    python -m tools.readme_tables --check  # exit 1 if README.md is out of date (a test runs this)
+    python -m tools.readme_tables          # rewrite README's generated parts and results/<gpu>.png
+    python -m tools.readme_tables --check  # exit 1 if README.md is out of date or a GPU's chart is missing
 
-The tables live between ``<!-- notebooks:start -->`` / ``<!-- notebooks:end -->`` and ``<!-- results:start -->`` /
-``<!-- results:end -->``; the CI badge between ``<!-- badges:start -->`` / ``<!-- badges:end -->`` (from the repository
-address in pyproject.toml). Headline figures come only from results files written by the reference run.
+The generated parts live between ``<!-- notebooks:start -->`` / ``<!-- notebooks:end -->`` (the notebook table,
+with each headline on the reference GPU) and ``<!-- results:start -->`` / ``<!-- results:end -->`` (each headline
+on every GPU, the course targets met or not, the charts); the CI badge between ``<!-- badges:start -->`` /
+``<!-- badges:end -->`` (from the repository address in pyproject.toml). Figures come only from results files
+written by the reference run or ``.ci/gpu-run`` (``utils.results.read_results_file``). A figure from a run whose
+sources differ from the notebook's current ones (``tools.course.sources_sha256``), or from a run without a record,
+is marked †. The charts (matplotlib's Agg backend) show each headline figure as a percentage of the limit measured
+beside it (``utils.results.Result.percent_of_limit``).
 """
 
 from __future__ import annotations
 
 import argparse
+import operator
 import re
+import string
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import nbformat
 
 from tools import course
-from utils.results import reference_results
+from utils.results import Result, from_payload, reference_results
 
 README = course.ROOT / "README.md"
 RESULTS_DIR = course.ROOT / "results"
-REFERENCE_GPU = "h200"  # the slug of the GPU whose figures the notebook table shows
-#: Notebooks that run on several reference GPUs at once, and how many (notebook 10's NPROC): their headline says so.
-REFERENCE_GPUS_USED: dict[str, int] = {"10_multi_gpu": 2}
+REFERENCE_GPU = "h200"  # the slug of the GPU whose figures the notebook table shows, and the first results column
 
-# What each notebook teaches in a phrase, and its headline: a format string over its recorded figures.
+# What each notebook teaches in a phrase, and its headline: a format string over its recorded figures, where
+# ``{name:.1f}`` is a figure's value and ``{name.of_limit}`` reads " (95% of copy bandwidth)" where the figure
+# carries the limit measured beside it (nothing where it does not). A figure a GPU's results lack shows as "—".
 NOTEBOOKS: dict[str, tuple[str, str]] = {
     "00_install_check": (
         "versions, GPU properties, capabilities, measured matmul and copy peaks vs datasheets",
-        "bf16 matmul {matmul_tflops_bf16_burst:.0f} burst / {matmul_tflops_bf16_sustained:.0f} sustained TFLOP/s "
-        "· copy {copy_gbps:,.0f} GB/s",
+        "bf16 matmul {matmul_tflops_bf16_burst:.0f} burst / {matmul_tflops_bf16:.0f} sustained TFLOP/s"
+        "{matmul_tflops_bf16.of_limit} · copy {copy_gbps:,.0f} GB/s{copy_gbps.of_limit}",
     ),
     "01_device_management": (
         "devices, asynchronous execution and errors, honest timing, pinned memory, streams, map_location",
-        "H2D pinned {h2d_pinned_gbps:.1f} vs pageable {h2d_pageable_gbps:.1f} GB/s · "
+        "H2D pinned {h2d_pinned_gbps:.1f} GB/s{h2d_pinned_gbps.of_limit} vs pageable {h2d_pageable_gbps:.1f} GB/s · "
         "copy/compute overlap {stream_overlap_speedup:.2f}×",
     ),
     "02_training_loop": (
         "the seed MNIST loop made fast: data pipeline, host syncs, GPU-resident data, CUDA graphs, checkpoints",
-        "epoch {epoch_s_seed_loop:.3f} s → {epoch_s_seed_hparams_fastest:.4f} s (same batch) → "
-        "{epoch_s_optimized:.4f} s at {test_accuracy_optimized:.1f}% test accuracy",
+        "epoch {epoch_s_seed_loop:.3f} s → {epoch_s_systems:.4f} s (same batch) → {epoch_s_optimized:.4f} s"
+        "{epoch_s_optimized.of_limit} at {test_accuracy_optimized:.1f}% test accuracy",
     ),
     "03_mixed_precision": (
         "torch.amp autocast, GradScaler, fp16 vs bf16 on a Transformer LM",
@@ -58,7 +66,12 @@ NOTEBOOKS: dict[str, tuple[str, str]] = {
     ),
     "06_custom_kernels": (
         "one fused op in Triton and CUDA C++, registered with torch.library, vs the memory limit",
-        "{fused_gbps_triton:,.0f} GB/s Triton · {speedup_vs_eager:.1f}× eager",
+        "{fused_gbps_triton:,.0f} GB/s Triton{fused_gbps_triton.of_limit} · {speedup_vs_eager:.1f}× eager",
+    ),
+    "07_performance_playbook": (
+        "every tip of the performance guides checked on your GPU, and the profiler that says which to try",
+        "TF32 matmul {tf32_matmul_speedup:.1f}× · channels_last {channels_last_speedup_resnet50:.2f}× · "
+        "CUDA graphs {cuda_graphs_speedup:.1f}×",
     ),
     "08_inference": (
         "GPT-2 decoding from the guide's loop to a Triton step in a CUDA graph, against the memory limit; HF generate; "
@@ -71,17 +84,110 @@ NOTEBOOKS: dict[str, tuple[str, str]] = {
         "ResNet-50 {resnet50_train_img_s_best:,.0f} img/s · BERT-Large {bert_large_sent_s_best:,.0f} sent/s · "
         "GPT-2 {gpt2_tok_s_best:,.0f} tok/s · compile {compile_speedup_min:.2f}–{compile_speedup_max:.2f}×",
     ),
-    "07_performance_playbook": (
-        "every tip of the performance guides checked on your GPU, and the profiler that says which to try",
-        "TF32 matmul {tf32_matmul_speedup:.1f}× · channels_last {channels_last_speedup_resnet50:.2f}× · "
-        "CUDA graphs {cuda_graphs_speedup:.1f}×",
-    ),
     "10_multi_gpu": (
         "torchrun, NCCL all-reduce vs the link, DDP scaling and its options, no_sync, FSDP2 memory, DCP checkpoints",
-        "all-reduce {allreduce_busbw_gbps:,.0f} GB/s bus · DDP 2 GPUs {ddp_scaling_2gpu:.2f}× · "
-        "FSDP2 peak memory {fsdp_peak_mem_ratio_vs_ddp:.2f}× DDP",
+        "all-reduce {allreduce_busbw_gbps:,.0f} GB/s bus{allreduce_busbw_gbps.of_limit} · DDP 2 GPUs "
+        "{ddp_scaling_2gpu:.2f}× · FSDP2 peak memory {fsdp_peak_mem_ratio_vs_ddp:.2f}× DDP",
     ),
 }
+
+
+@dataclass(frozen=True)
+class Target:
+    """A course target: a figure of a notebook compared with a threshold (from the issues that set them).
+
+    ``figure``: a figure's name (its value, in its unit), ``"a / b"`` (the ratio of two figures, ×), with a
+    trailing ``" %"`` as a percentage: ``"name %"`` the figure's percentage of the limit it was recorded with,
+    ``"a / b %"`` the ratio in percent. ``threshold``: a number in those units, or another figure's name.
+    ``gpu``: the one GPU (results slug) the target is set for; None for every GPU.
+    """
+
+    notebook: str
+    figure: str
+    comparison: str  # one of COMPARISONS
+    threshold: float | str
+    text: str
+    gpu: str | None = None
+
+
+COMPARISONS = {">=": operator.ge, ">": operator.gt, "<=": operator.le, "<": operator.lt}
+
+#: The course's targets, measured in the notebooks and never asserted in a test (issues 34–38, "Targets").
+TARGETS: tuple[Target, ...] = (
+    Target("02_training_loop", "speedup_systems", ">=", 8, "systems-only speed-up at the seed's batch ≥ 8×"),
+    Target("02_training_loop", "speedup_overall", ">=", 15, "overall speed-up ≥ 15×"),
+    Target("03_mixed_precision", "step_ms_fp32 / step_ms_bf16", ">=", 2.5, "bf16 step ≥ 2.5× the fp32 step"),
+    Target("04_torch_compile", "compile_speedup_train_best", ">=", 1.5,
+           "best compiled training step ≥ 1.5× eager, timed in the same rounds"),
+    Target("05_memory", "max_batch_16gb_combined / max_batch_16gb_baseline", ">=", 4,
+           "the combined techniques fit ≥ 4× the baseline batch in 16 GB"),
+    Target("05_memory", "selective_checkpointing_step_overhead_pct", "<", "checkpointing_step_overhead_pct",
+           "selective checkpointing costs less than full"),
+    Target("06_custom_kernels", "fused_gbps_triton / copy_gbps %", ">=", 90,
+           "Triton kernel ≥ 90% of the copy bandwidth measured in the same run"),
+    Target("06_custom_kernels", "fused_gbps_cuda / copy_gbps %", ">=", 90,
+           "CUDA C++ kernel ≥ 90% of the copy bandwidth measured in the same run"),
+    Target("06_custom_kernels", "speedup_vs_eager", ">=", 2, "fused kernel ≥ 2× eager"),
+    Target("08_inference", "gpt2_tok_s_best", ">=", 4000, "GPT-2 124M at batch 1 ≥ 4,000 tokens/s"),
+    Target("08_inference", "gpt2_tok_s_best / gpt2_tok_s_hf_generate", ">", 1,
+           "GPT-2 decoding ahead of Hugging Face `generate`"),
+    Target("09_benchmarks", "resnet50_train_img_s_best", ">=", 5000, "ResNet-50 training ≥ 5,000 images/s",
+           gpu="h200"),
+    Target("09_benchmarks", "bert_large_sent_s_best", ">=", 5500, "BERT-Large inference ≥ 5,500 sentences/s",
+           gpu="h200"),
+    Target("10_multi_gpu", "ddp_scaling_4gpu", ">=", 3.6, "DDP on 4 GPUs ≥ 3.6× one GPU (90% efficiency)"),
+)
+
+STALE = "†"
+STALE_NOTE = f"{STALE} from an earlier version of the notebook; rerun to refresh."
+SHARED = "‡"
+SHARED_NOTE = (f"{SHARED} measured while other notebooks ran beside it on the same host (`PARALLEL=1 bash "
+               ".ci/gpu-run`).")
+NOT_RUN = "—"
+
+
+class _Shown:
+    """A figure inside a headline's format string: ``{name:.1f}`` formats its value ("—" if missing) and
+    ``{name.of_limit}`` reads " (95% of copy bandwidth)" where it carries a limit."""
+
+    def __init__(self, result: Result | None):
+        self.result = result
+
+    def __format__(self, spec: str) -> str:
+        return NOT_RUN if self.result is None else format(self.result.value, spec)
+
+    @property
+    def of_limit(self) -> str:
+        percent = self.result.percent_of_limit if self.result is not None else None
+        return "" if percent is None else f" ({percent:.0f}% of {self.result.limit_name})"
+
+
+class _Figures(dict):
+    def __missing__(self, name: str) -> _Shown:
+        return _Shown(None)
+
+
+def headline_figures(stem: str) -> list[str]:
+    """The names of the figures a notebook's headline shows, in order."""
+    names = [field.split(".")[0] for _, field, _, _ in string.Formatter().parse(NOTEBOOKS[stem][1]) if field]
+    return list(dict.fromkeys(names))
+
+
+def results_of(figures: dict[str, dict[str, object]] | None) -> dict[str, Result]:
+    """A notebook's figures (``{name: payload}``, as a results file holds them) as Results."""
+    return {name: from_payload(name, payload) for name, payload in (figures or {}).items()}
+
+
+def headline(stem: str, figures: dict[str, dict[str, object]] | None, *, gpus: int = 1) -> str:
+    """A notebook's headline from one GPU's figures: "—" where a figure is missing, "—" alone where all are;
+    "on N GPUs: " first for a run that used several."""
+    if stem not in NOTEBOOKS:
+        raise KeyError(f"tools/readme_tables.py: add {stem!r} to NOTEBOOKS (what it teaches, its headline)")
+    found = results_of(figures)
+    if not set(headline_figures(stem)) & set(found):
+        return NOT_RUN
+    text = NOTEBOOKS[stem][1].format_map(_Figures({name: _Shown(r) for name, r in found.items()}))
+    return (f"on {gpus} GPUs: " if gpus > 1 else "") + text
 
 
 def notebook_title(path: Path) -> str:
@@ -91,57 +197,196 @@ def notebook_title(path: Path) -> str:
     return match.group(1).strip() if match else first.lstrip("# ").strip()
 
 
-def load_results(results_dir: Path = RESULTS_DIR) -> dict[str, dict[str, dict[str, dict[str, object]]]]:
-    """``{gpu slug: {notebook stem: {name: {"value", "unit"}}}}`` from every results file."""
-    return reference_results(results_dir)
+def current_sources() -> dict[str, str]:
+    """Each notebook's current ``sources_sha256``, by stem."""
+    return {path.stem: course.sources_sha256(nbformat.read(path, as_version=4)) for path in course.notebooks()}
 
 
-def headline(stem: str, figures: dict[str, dict[str, object]] | None) -> str:
-    if stem not in NOTEBOOKS:
-        raise KeyError(f"tools/readme_tables.py: add {stem!r} to NOTEBOOKS (what it teaches, its headline)")
-    if not figures:
-        return "not yet run on the reference GPU"
-    values = {name: fig["value"] for name, fig in figures.items()}
-    gpus = REFERENCE_GPUS_USED.get(stem, 1)
-    on = f"on {gpus} × {REFERENCE_GPU.upper()}: " if gpus > 1 else ""
-    try:
-        return on + NOTEBOOKS[stem][1].format(**values)
-    except KeyError as missing:
-        return f"{on}(figure {missing} not recorded)"
+def marks(entry: dict | None, sources: str | None) -> str:
+    """† for figures whose run is not of the notebook's current sources (or has no record); ‡ for a shared host."""
+    run = (entry or {}).get("run")
+    mark = "" if run and sources is not None and run.get("sources_sha256") == sources else STALE
+    return mark + (SHARED if run and run.get("shared_host") else "")
 
 
-def notebooks_table(results: dict) -> str:
+def result_cell(stem: str, entry: dict | None, sources: str | None) -> str:
+    """One GPU's headline of a notebook, marked."""
+    if not entry or not entry.get("figures"):
+        return NOT_RUN
+    gpus = int((entry.get("run") or {}).get("gpus") or 1)
+    text = headline(stem, entry["figures"], gpus=gpus)
+    return text if text == NOT_RUN else f"{text} {marks(entry, sources)}".rstrip()
+
+
+def ordered_gpus(results: dict) -> list[str]:
+    """The GPUs of the results, the reference GPU first, then the others by name."""
+    return sorted(results, key=lambda gpu: (gpu != REFERENCE_GPU, gpu))
+
+
+def footnotes(cells: list[str]) -> str:
+    notes = [note for mark, note in ((STALE, STALE_NOTE), (SHARED, SHARED_NOTE)) if any(mark in c for c in cells)]
+    return "\n\n" + "<br>\n".join(notes) if notes else ""
+
+
+def notebooks_table(results: dict, sources: dict[str, str]) -> str:
     reference = results.get(REFERENCE_GPU, {})
     rows = [f"| # | Topic | What you learn | Open | Headline on the reference GPU ({REFERENCE_GPU.upper()}) |",
             "|---|---|---|---|---|"]
+    cells = []
     for path in course.notebooks():
         stem = path.stem
         rel = path.relative_to(course.ROOT).as_posix()
+        cell = result_cell(stem, reference.get(stem), sources.get(stem))
+        cells.append(cell)
         rows.append(f"| {stem[:2]} | [{notebook_title(path)}]({rel}) | {NOTEBOOKS.get(stem, ('?',))[0]} | "
                     f"[![Open In Colab]({course.COLAB_BADGE_IMAGE})]({course.colab_url(path)}) | "
-                    f"{headline(stem, reference.get(stem))} |")
-    return "\n".join(rows)
+                    f"{cell if cell != NOT_RUN else 'not yet run on the reference GPU'} |")
+    return "\n".join(rows) + footnotes(cells)
 
 
-def results_table(results: dict) -> str:
-    """Every recorded figure, one row per (notebook, figure), one column per GPU; '—' where a GPU lacks it."""
+def with_unit(value: float, unit: str, digits: int | None = None) -> str:
+    """A figure with its unit for a table cell: '31×', '95%', '6,615 images/s' (``digits`` decimals if given)."""
+    from utils.plot import format_value
+
+    number = format_value(value) if digits is None else f"{value:,.{digits}f}"
+    if unit in ("x", "×"):
+        return f"{number}×"
+    return f"{number}%" if unit == "%" else f"{number} {unit}"
+
+
+def decimals_for(value: float, threshold: float, met: bool, compare) -> int | None:
+    """None (the usual rounding) where it shows the outcome; else the fewest decimals (up to 4) at which the shown
+    value still reads as met or not met ('1.47×', never 'not met (1.5×)' against 1.5)."""
+    from utils.plot import format_value
+
+    if compare(float(format_value(value).replace(",", "")), threshold) == met:
+        return None
+    for digits in range(1, 5):
+        if compare(round(value, digits), threshold) == met:
+            return digits
+    return 4
+
+
+def target_value(spec: str, found: dict[str, Result]) -> tuple[float, str] | None:
+    """The value a target's ``figure`` spec names in one notebook's figures, with its unit; None if not recorded."""
+    percent = spec.endswith(" %")
+    names = [name.strip() for name in spec.removesuffix(" %").split("/")]
+    if not all(name in found for name in names):
+        return None
+    if len(names) == 2:
+        value = found[names[0]].value / found[names[1]].value
+        return (100 * value, "%") if percent else (value, "x")
+    if percent:
+        share = found[names[0]].percent_of_limit
+        return None if share is None else (share, "%")
+    return found[names[0]].value, found[names[0]].unit
+
+
+def target_cell(target: Target, gpu: str, entry: dict | None, sources: str | None) -> str:
+    """'met (31×)', 'not met (6.2×)', 'not measured', or '—' for a target set for another GPU."""
+    if target.gpu is not None and target.gpu != gpu:
+        return NOT_RUN
+    found = results_of((entry or {}).get("figures"))
+    measured = target_value(target.figure, found)
+    threshold = (target_value(target.threshold, found) if isinstance(target.threshold, str)
+                 else (target.threshold, ""))
+    if measured is None or threshold is None:
+        return "not measured"
+    compare = COMPARISONS[target.comparison]
+    met = compare(measured[0], threshold[0])
+    if isinstance(target.threshold, str):
+        shown = f"{with_unit(*measured)} vs {with_unit(*threshold)}"
+    else:
+        shown = with_unit(*measured, decimals_for(measured[0], threshold[0], met, compare))
+    return f"{'met' if met else 'not met'} ({shown}) {marks(entry, sources)}".rstrip()
+
+
+def targets_table(results: dict, sources: dict[str, str]) -> str:
+    gpus = ordered_gpus(results)
+    rows = ["| Target | " + " | ".join(gpu.upper() for gpu in gpus) + " |", "|---|" + "---|" * len(gpus)]
+    cells = []
+    for target in TARGETS:
+        row = [target_cell(target, gpu, results[gpu].get(target.notebook), sources.get(target.notebook))
+               for gpu in gpus]
+        cells += row
+        where = f" (on the {target.gpu.upper()})" if target.gpu else ""
+        rows.append(f"| {target.notebook[:2]} · {target.text}{where} | " + " | ".join(row) + " |")
+    return "\n".join(rows) + footnotes(cells)
+
+
+def results_section(results: dict, sources: dict[str, str]) -> str:
+    """Each headline on every GPU, the course targets, the charts and links to the raw files."""
     if not results:
         return "No reference run has been recorded yet."
-    gpus = sorted(results, key=lambda gpu: (gpu != REFERENCE_GPU, gpu))  # the reference GPU first
-    keys: dict[tuple[str, str], None] = {}
-    for stem in sorted({stem for by_notebook in results.values() for stem in by_notebook}):
-        for gpu in gpus:
-            for name in results[gpu].get(stem, {}):
-                keys[(stem, name)] = None
-    rows = ["| Notebook | Figure | " + " | ".join(gpu.upper() for gpu in gpus) + " |",
-            "|---|---|" + "---:|" * len(gpus)]
-    for stem, name in keys:
-        cells = []
-        for gpu in gpus:
-            fig = results[gpu].get(stem, {}).get(name)
-            cells.append(f"{fig['value']:,.4g} {fig['unit']}" if fig else "—")
-        rows.append(f"| {stem} | `{name}` | " + " | ".join(cells) + " |")
-    return "\n".join(rows)
+    gpus = ordered_gpus(results)
+    rows = ["| # | Notebook | " + " | ".join(gpu.upper() for gpu in gpus) + " |", "|---|---|" + "---|" * len(gpus)]
+    cells = []
+    for path in course.notebooks():
+        stem = path.stem
+        row = [result_cell(stem, results[gpu].get(stem), sources.get(stem)) for gpu in gpus]
+        cells += row
+        rel = path.relative_to(course.ROOT).as_posix()
+        rows.append(f"| {stem[:2]} | [{notebook_title(path)}]({rel}) | " + " | ".join(row) + " |")
+    charts = "\n".join(f"![{gpu.upper()}: headline figures as a % of their limit]"
+                       f"(results/{gpu}.png)" for gpu in gpus)
+    files = " · ".join(f"[`results/{gpu}.json`](results/{gpu}.json)" for gpu in gpus)
+    return ("\n".join(rows) + footnotes(cells)
+            + "\n\n**Course targets**, per GPU (measured in the notebooks, never asserted in a test):\n\n"
+            + targets_table(results, sources)
+            + "\n\nEach GPU's headline figures as a percentage of the limit recorded with them:\n\n" + charts
+            + f"\n\nEvery recorded figure, with its band, its limit and the run it came from: {files}.")
+
+
+def chart_bars(stem_entries: dict[str, dict], sources: dict[str, str]) -> list[tuple[str, float]]:
+    """(label, % of its limit) of every headline figure of one GPU that carries a limit, notebook by notebook."""
+    bars = []
+    for path in course.notebooks():
+        entry = stem_entries.get(path.stem)
+        if not entry or path.stem not in NOTEBOOKS:
+            continue
+        found = results_of(entry.get("figures"))
+        for name in headline_figures(path.stem):
+            result = found.get(name)
+            if result is not None and result.percent_of_limit is not None:
+                label = f"{path.stem[:2]} {name} (of {result.limit_name})"
+                bars.append((f"{label} {marks(entry, sources.get(path.stem))}".rstrip(), result.percent_of_limit))
+    return bars
+
+
+def write_chart(gpu: str, stem_entries: dict[str, dict], sources: dict[str, str], path: Path) -> Path:
+    """``path`` (a PNG): horizontal bars of one GPU's headline figures as a % of their limits."""
+    import matplotlib
+
+    if matplotlib.get_backend().lower() != "agg":
+        matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from utils.plot import bar
+
+    bars = chart_bars(stem_entries, sources)
+    title = f"{gpu.upper()}: headline figures as a % of their limit"
+    if any(STALE in label for label, _ in bars):
+        title += f"\n({STALE_NOTE})"
+    if bars:
+        labels, values = zip(*bars, strict=True)
+        fig = bar(list(labels), list(values), ylabel="% of the limit recorded with the figure (named in brackets)",
+                  title=title, horizontal=True, reference=100.0, reference_label="the limit (100%)")
+    else:
+        fig, ax = plt.subplots(figsize=(8.0, 1.6))
+        ax.axis("off")
+        ax.text(0.5, 0.5, "No headline figure of this GPU carries a measured limit yet: rerun the notebooks.",
+                ha="center", va="center", fontsize=10)
+        ax.set_title(title)
+        plt.close(fig)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100, bbox_inches="tight", metadata={"Software": None})
+    return path
+
+
+def write_charts(results_dir: Path = RESULTS_DIR) -> list[Path]:
+    """``results_dir/<gpu>.png`` for every GPU's results file."""
+    results, sources = reference_results(results_dir), current_sources()
+    return [write_chart(gpu, entries, sources, results_dir / f"{gpu}.png") for gpu, entries in results.items()]
 
 
 def badges() -> str:
@@ -151,10 +396,10 @@ def badges() -> str:
 
 
 def render(readme_text: str, results_dir: Path = RESULTS_DIR) -> str:
-    """README text with the generated badge and tables replaced."""
-    results = load_results(results_dir)
-    for key, body in (("badges", badges()), ("notebooks", notebooks_table(results)),
-                      ("results", results_table(results))):
+    """README text with the generated badge, notebook table and results replaced."""
+    results, sources = reference_results(results_dir), current_sources()
+    for key, body in (("badges", badges()), ("notebooks", notebooks_table(results, sources)),
+                      ("results", results_section(results, sources))):
         pattern = re.compile(rf"(<!-- {key}:start -->\n).*?(<!-- {key}:end -->)", re.S)
         if not pattern.search(readme_text):
             raise ValueError(f"README.md lacks the <!-- {key}:start --> / <!-- {key}:end --> markers")
@@ -162,23 +407,34 @@ def render(readme_text: str, results_dir: Path = RESULTS_DIR) -> str:
     return readme_text
 
 
-def write_readme() -> bool:
-    """Rewrite README.md's tables; True if it changed."""
+def missing_charts(results_dir: Path = RESULTS_DIR) -> list[Path]:
+    """The charts ``results_dir/<gpu>.png`` that a GPU's results file lacks."""
+    return [p.with_suffix(".png") for p in sorted(results_dir.glob("*.json")) if not p.with_suffix(".png").exists()]
+
+
+def write_readme(results_dir: Path = RESULTS_DIR) -> bool:
+    """Rewrite README.md's generated parts and every GPU's chart; True if README changed."""
     old = README.read_text()
-    new = render(old)
+    new = render(old, results_dir)
     if new != old:
         README.write_text(new)
+    write_charts(results_dir)
     return new != old
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Regenerate README.md's notebook and results tables.")
-    parser.add_argument("--check", action="store_true", help="exit 1 if README.md is out of date")
+    parser = argparse.ArgumentParser(description="Regenerate README.md's tables and the charts in results/.")
+    parser.add_argument("--check", action="store_true",
+                        help="exit 1 if README.md is out of date or a GPU's chart is missing")
     args = parser.parse_args(argv)
     if args.check:
         current = README.read_text()
-        if render(current) != current:
-            print("README.md tables are out of date: run python -m tools.readme_tables", file=sys.stderr)
+        stale = render(current) != current
+        missing = missing_charts()
+        if stale or missing:
+            what = ["README.md tables are out of date"] if stale else []
+            what += [f"{p.relative_to(course.ROOT)} is missing" for p in missing]
+            print(f"{'; '.join(what)}: run python -m tools.readme_tables", file=sys.stderr)
             return 1
         return 0
     print("README.md updated" if write_readme() else "README.md already up to date")

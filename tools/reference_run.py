@@ -6,19 +6,26 @@
 For each notebook, in reading order: execute it with nbclient (working directory notebooks/, like nbmake and
 JupyterLab), and only if every cell succeeded write it back in place with the stamp
 
-    metadata.reference_run = {"sources_sha256", "gpu", "gpus", "torch", "cuda", "date"}
+    metadata.reference_run = {"sources_sha256", "gpu", "gpus", "cpus", "torch", "cuda", "date", "wall_s"}
 
 where ``sources_sha256`` hashes every cell's type and source (``tools.course.sources_sha256``), so a test can
-tell when the outputs no longer belong to the sources. Every figure the notebook passed to
-``utils.results.record`` is read from its outputs and written to ``results/<gpu>.json`` as
-``{notebook stem: {name: {"value", "unit"}}}``; then README's tables are regenerated.
+tell when the outputs no longer belong to the sources; ``gpus`` is how many GPUs the notebook used (all the
+machine has for a notebook whose metadata says ``"course": {"gpus": "all"}``, else one); ``cpus`` how many CPUs
+the process could use; ``wall_s`` the seconds from the first cell's start to the last cell's end (from the
+per-cell timings nbclient and nbmake record, which are then removed). The title cell's Run-time line is rewritten
+from the stamp (``tools.course.run_time_line``; the hash leaves that line out). Every figure the notebook passed
+to ``utils.results.record`` is read from its outputs and written to ``results/<gpu>.json`` with the stamp as the
+run record, ``{notebook stem: {"run": stamp, "figures": {name: {"value", "unit", "band"?, "limit"?}}}}``
+(``utils.results.read_results_file``); then README's tables and charts are regenerated.
 
 A failed notebook is left untouched (its partial run goes to --failed-dir if given) and the exit status is 1.
 
-    python -m tools.reference_run --collect-only --results-dir DIR notebooks/*.ipynb
+    python -m tools.reference_run --collect-only --machine build/gpu-run/machine.json --results-dir DIR NB...
 
-reads the figures of notebooks that were already executed (e.g. by nbmake --overwrite in .ci/gpu-run) into
-``DIR/<gpu>.json`` without executing or stamping anything.
+reads the figures of notebooks that were already executed (by nbmake --overwrite in .ci/gpu-run) into
+``DIR/<gpu>.json`` with their run record, without executing or stamping anything: this is how another GPU's
+figures are filed (e.g. ``results/h100.json``). The record's machine fields come from ``--machine`` (else this
+machine), its wall time from the executed copy's per-cell timings.
 
     python -m tools.reference_run --stamp-executed build/gpu-run/notebooks notebooks/04_*.ipynb
 
@@ -27,7 +34,9 @@ reference run instead of executing each notebook a second time: each copy must h
 notebook it replaces, every code cell executed and no error output; then it is stamped and written in place like a
 run of its own. One GPU run both proves that nbmake passes and gives the committed outputs. The stamp's machine
 fields are those ``.ci/gpu-run`` wrote to ``build/gpu-run/machine.json`` (``--write-machine``) on the machine that
-executed them, so the copies can be stamped elsewhere (``--machine FILE``); without it, this machine's.
+executed them, so the copies can be stamped elsewhere (``--machine FILE``); without it, this machine's. A machine
+file written with ``--shared-host`` (``PARALLEL=1 bash .ci/gpu-run``: notebooks side by side on one host) is
+refused for stamping; its figures can be collected, and their run record says ``"shared_host": true``.
 """
 
 from __future__ import annotations
@@ -36,6 +45,7 @@ import argparse
 import datetime as dt
 import html as html_lib
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -45,13 +55,22 @@ from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
 
 from tools import course, readme_tables
-from utils.results import MIME_TYPE
+from tools.parallel_nbmake import ALL_GPUS
+from utils.results import MIME_TYPE, write_results_entry
 
 RESULTS_DIR = course.ROOT / "results"
 
 
-def machine_stamp(allow_cpu: bool) -> tuple[dict[str, str], str]:
-    """The stamp's machine fields and the results file's slug, read off this machine's torch."""
+def usable_cpus() -> int:
+    """How many CPUs this process may run on (its affinity where the OS tells, else the machine's count)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def machine_stamp(allow_cpu: bool) -> tuple[dict[str, object], str]:
+    """The stamp's machine fields and the results file's slug, read off this machine's torch and OS.
+
+    ``gpus`` here is how many GPUs the machine shows; the stamp keeps how many a notebook used (:func:`run_record`).
+    """
     import torch
 
     from utils.env import gpu_slug
@@ -63,23 +82,57 @@ def machine_stamp(allow_cpu: bool) -> tuple[dict[str, str], str]:
         gpu, slug = "cpu", "cpu"
     else:
         raise SystemExit("reference_run: no CUDA GPU visible. Reference runs are GPU runs; "
-                         "pass --allow-cpu to stamp a CPU run anyway.")
-    # "gpus": how many this run could use (notebook 10 spreads over all of them; the others use the first)
-    stamp = {"gpu": gpu, "gpus": str(torch.cuda.device_count() if torch.cuda.is_available() else 0),
-             "torch": torch.__version__, "cuda": torch.version.cuda or "none",
+                         "pass --allow-cpu to stamp a run on a machine without a GPU anyway.")
+    stamp = {"gpu": gpu, "gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0,
+             "cpus": usable_cpus(), "torch": torch.__version__, "cuda": torch.version.cuda or "none",
              "date": dt.datetime.now(dt.UTC).date().isoformat()}
     return stamp, slug
 
 
 def recorded_results(nb) -> dict[str, dict[str, object]]:
-    """Every figure ``utils.results.record`` displayed in an executed notebook, in order (last one wins)."""
+    """Every figure ``utils.results.record`` displayed in an executed notebook, in order (last one wins), as the
+    results file holds it: ``{name: {"value", "unit", "band"?, "limit"?}}``."""
     found: dict[str, dict[str, object]] = {}
     for cell in nb.cells:
         for output in cell.get("outputs", []):
             payload = output.get("data", {}).get(MIME_TYPE)
             if payload is not None:
-                found[payload["name"]] = {"value": payload["value"], "unit": payload["unit"]}
+                found[payload["name"]] = {key: value for key, value in payload.items() if key != "name"}
     return found
+
+
+def wall_seconds(nb) -> float | None:
+    """The run's wall time: from the first code cell's start (``iopub.execute_input``) to the last one's reply
+    (``shell.execute_reply``), read from the per-cell timings nbclient and nbmake keep in ``cell.metadata.execution``;
+    None where the notebook holds no timings."""
+    starts, ends = [], []
+    for cell in nb.cells:
+        timing = cell.get("metadata", {}).get("execution", {})
+        if "iopub.execute_input" in timing and "shell.execute_reply" in timing:
+            starts.append(dt.datetime.fromisoformat(timing["iopub.execute_input"]))
+            ends.append(dt.datetime.fromisoformat(timing["shell.execute_reply"]))
+    return round((max(ends) - min(starts)).total_seconds(), 1) if starts else None
+
+
+def drop_cell_timings(nb) -> None:
+    """Remove the per-cell timings (not part of a committed notebook; :func:`wall_seconds` reads them first)."""
+    for cell in nb.cells:
+        cell.get("metadata", {}).pop("execution", None)
+
+
+def run_record(nb, machine: dict[str, object]) -> dict[str, object]:
+    """The stamp of an executed notebook, which is also its run record in ``results/<gpu>.json``
+    (``utils.results.RUN_FIELDS``): the machine's fields, the GPUs the notebook used, its wall time and the hash of
+    its sources. ``"shared_host": true`` is kept where the machine file says so."""
+    uses_all = nb.metadata.get("course", {}).get("gpus") == ALL_GPUS["gpus"]
+    machine_gpus = int(machine["gpus"])
+    record = {"date": machine["date"], "gpu": machine["gpu"],
+              "gpus": machine_gpus if uses_all else min(machine_gpus, 1), "cpus": machine.get("cpus"),
+              "torch": machine["torch"], "cuda": machine["cuda"], "wall_s": wall_seconds(nb),
+              "sources_sha256": course.sources_sha256(nb)}
+    if machine.get("shared_host"):
+        record["shared_host"] = True
+    return record
 
 
 def execute(path: Path, *, cell_timeout: int, failed_dir: Path | None):
@@ -146,14 +199,21 @@ def settle_progress_bars(nb) -> int:
     return changed
 
 
-def read_machine(path: Path) -> tuple[dict[str, str], str]:
-    """The stamp's machine fields and results slug from a file written by ``--write-machine``."""
+MACHINE_FIELDS = ("gpu", "gpus", "cpus", "torch", "cuda", "date")
+
+
+def read_machine(path: Path, *, stamping: bool) -> tuple[dict[str, object], str]:
+    """The machine fields and results slug from a file written by ``--write-machine``; one written with
+    ``--shared-host`` is refused when ``stamping`` (its notebooks ran side by side: not reference timings)."""
     from utils.env import gpu_slug
 
     machine = json.loads(path.read_text())
-    missing = {"gpu", "gpus", "torch", "cuda", "date"} - set(machine)
+    missing = set(MACHINE_FIELDS) - set(machine)
     if missing:
         raise SystemExit(f"reference_run: {path} lacks {sorted(missing)}: write it with --write-machine")
+    if stamping and machine.get("shared_host"):
+        raise SystemExit(f"reference_run: {path} is from a run whose notebooks shared the host (PARALLEL=1): its "
+                         "timings are not reference timings; stamp the copies of a plain `bash .ci/gpu-run`")
     return machine, "cpu" if machine["gpu"] == "cpu" else gpu_slug(machine["gpu"])
 
 
@@ -172,18 +232,7 @@ def executed_copy(path: Path, executed_dir: Path):
             raise SystemExit(f"reference_run: cell {index} of {copy} was never executed: the run stopped early")
         if any(output.get("output_type") == "error" for output in cell.get("outputs", [])):
             raise SystemExit(f"reference_run: cell {index} of {copy} raised an error: the run failed")
-        cell.metadata.pop("execution", None)  # nbmake's per-cell timing, not part of the committed notebook
     return nb
-
-
-def merge_results(slug: str, stem: str, figures: dict[str, dict[str, object]], results_dir: Path) -> Path:
-    """Replace this notebook's entry in ``results/<slug>.json`` (other notebooks' entries stay)."""
-    results_dir.mkdir(parents=True, exist_ok=True)
-    path = results_dir / f"{slug}.json"
-    data = json.loads(path.read_text()) if path.exists() else {}
-    data[stem] = figures
-    path.write_text(json.dumps(dict(sorted(data.items())), indent=2) + "\n")
-    return path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -194,30 +243,40 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--failed-dir", type=Path, help="write partially executed failed notebooks here")
     parser.add_argument("--allow-cpu", action="store_true", help="stamp a run on a machine without a GPU")
     parser.add_argument("--collect-only", action="store_true",
-                        help="only collect the recorded figures of already executed notebooks (no run, no stamp)")
+                        help="only collect the figures and run records of already executed notebooks (no run, no "
+                             "stamp)")
     parser.add_argument("--stamp-executed", type=Path, metavar="DIR",
                         help="stamp the copies already executed in DIR on this machine (e.g. build/gpu-run/notebooks) "
                              "instead of executing the notebooks again")
     parser.add_argument("--machine", type=Path, metavar="FILE",
-                        help="with --stamp-executed: the machine that executed them, as --write-machine wrote it")
+                        help="with --stamp-executed or --collect-only: the machine that executed the notebooks, as "
+                             "--write-machine wrote it")
     parser.add_argument("--write-machine", type=Path, metavar="FILE",
                         help="only write this machine's stamp fields to FILE (JSON) and exit")
+    parser.add_argument("--shared-host", action="store_true",
+                        help="with --write-machine: the notebooks will run side by side on this host (PARALLEL=1); "
+                             "the file is then refused by --stamp-executed")
     args = parser.parse_args(argv)
 
-    stamp, slug = machine_stamp(args.allow_cpu or args.machine is not None)
-    if args.write_machine is not None:
-        args.write_machine.write_text(json.dumps(stamp, indent=2) + "\n")
-        return 0
+    if args.shared_host and args.write_machine is None:
+        raise SystemExit("reference_run: --shared-host goes with --write-machine")
     if args.machine is not None:
-        if args.stamp_executed is None:
-            raise SystemExit("reference_run: --machine goes with --stamp-executed")
-        stamp, slug = read_machine(args.machine)
+        if args.stamp_executed is None and not args.collect_only:
+            raise SystemExit("reference_run: --machine goes with --stamp-executed or --collect-only")
+        machine, slug = read_machine(args.machine, stamping=not args.collect_only)
+    else:
+        machine, slug = machine_stamp(args.allow_cpu)
+    if args.write_machine is not None:
+        args.write_machine.write_text(json.dumps({**machine, **({"shared_host": True} if args.shared_host else {})},
+                                                 indent=2) + "\n")
+        return 0
     paths = [p.resolve() for p in args.notebooks] or course.notebooks()
     if args.collect_only:
         for path in paths:
-            figures = recorded_results(nbformat.read(path, as_version=4))
-            out = merge_results(slug, path.stem, figures, args.results_dir)
-            print(f"collected {path.name}: {len(figures)} figures → {out}")
+            nb = nbformat.read(path, as_version=4)
+            run, figures = run_record(nb, machine), recorded_results(nb)
+            out = write_results_entry(args.results_dir / f"{slug}.json", path.stem, run, figures)
+            print(f"collected {path.name}: {len(figures)} figures, wall time {run['wall_s']} s → {out}")
         return 0
     failures = 0
     for path in paths:
@@ -231,12 +290,18 @@ def main(argv: list[str] | None = None) -> int:
             failures += 1
             continue
         settle_progress_bars(nb)
-        nb.metadata["reference_run"] = {"sources_sha256": course.sources_sha256(nb), **stamp}
+        stamp = run_record(nb, machine)
+        drop_cell_timings(nb)
+        nb.metadata["reference_run"] = stamp
+        course.sync_run_time_line(nb)
+        stamp["sources_sha256"] = course.sources_sha256(nb)  # changed only where the title had no Run-time line
+        nb.metadata["reference_run"] = stamp  # (nbformat keeps a copy of what it is given)
         nbformat.write(nb, path)
         figures = recorded_results(nb)
-        out = merge_results(slug, path.stem, figures, args.results_dir)
+        out = write_results_entry(args.results_dir / f"{slug}.json", path.stem, stamp, figures)
         how = f"stamped from {args.stamp_executed}" if args.stamp_executed is not None else f"{seconds:.0f} s"
-        print(f"ok {path.name}: {how} on {stamp['gpu']}, {len(figures)} figures → {out.name}")
+        print(f"ok {path.name}: {how} on {stamp['gpu']} (wall time {stamp['wall_s']} s), {len(figures)} figures "
+              f"→ {out.name}")
     if args.results_dir.resolve() == RESULTS_DIR.resolve():
         readme_tables.write_readme()
     return 1 if failures else 0
