@@ -303,7 +303,7 @@ class Verdict:
     @property
     def band_text(self) -> str:
         lo, hi = self.band
-        return f"band {lo:.2f}–{hi:.2f}×"
+        return f"band {ratio_text(lo).rstrip('×')}–{ratio_text(hi)}"
 
     @property
     def short(self) -> str:
@@ -801,7 +801,7 @@ class Sweep:
         c = self.comparisons[0]
         hlines = {f"{c.limit_name} ({_number(c.limit)} {self.unit})": c.limit} if c.limit is not None else None
         return curves({v: (self.sizes, self.rates(v)) for v in self.variants}, xlabel=f"{self.size_label} (log scale)",
-                      ylabel=self.unit, logx=True, logy=logy, hlines=hlines,
+                      ylabel=self.unit, logx=True, logy=logy, hlines=hlines, xticks=self.format_size,
                       title=title or self.title or f"{self.unit} by {self.size_label}")
 
     def __str__(self) -> str:

@@ -9,7 +9,7 @@ matplotlib is imported on first use so that ``import utils`` stays light.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # type hints only
@@ -171,6 +171,7 @@ def curves(
     right: Mapping[str, tuple[Sequence[float], Sequence[float]]] | None = None,
     right_label: str | None = None,
     legend_outside: bool = False,
+    xticks: Callable[[float], str] | None = None,
 ):
     """One line per named (x, y) series, optional log axes and labelled horizontal reference lines.
 
@@ -179,7 +180,7 @@ def curves(
     ``right_label``, on the same kind of scale as the left one. Log axes get plain tick labels
     ("2,000", "0.5"), minor ones too where a decade has fewer than three major ticks. ``legend_outside`` puts the
     legend to the right of the axes (the figure widens for it), where it cannot cover lines that fill the plot.
-    Returns the Figure.
+    ``xticks`` formats the x tick labels (e.g. ``utils.memory.format_bytes`` for sizes). Returns the Figure.
     """
     if not series:
         raise ValueError("curves() needs at least one series")
@@ -209,6 +210,8 @@ def curves(
     if logx:
         ax.set_xscale("log", base=2)
         ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: _tick(v)))
+    if xticks is not None:
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: xticks(int(v)) if v == int(v) else xticks(v)))
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     if right:
