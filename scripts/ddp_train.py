@@ -8,10 +8,11 @@ the same gradients again while all-reducing once per optimizer step instead of o
 communication hook counts the calls and the bytes, after a first step: DDP's first backward all-reduces through
 buckets of its own and only then rebuilds them in the order backward produced the gradients). Then every variant
 in ``--variants`` is timed at the same per-process batch (``--batch``; ``name@N`` times a variant at N sequences
-per process instead):
+per process instead) on every process (``name:1`` on the first alone, in a process group of its own, while the others
+idle: one GPU's step, timed in the same rounds as the rest):
 
-    plain          the model without DDP: the one-GPU baseline (with several processes: each trains alone, no
-                   communication — what sharing the machine costs)
+    plain          the model without DDP: ``plain:1`` is the one-GPU baseline; on every process, each trains alone
+                   without communication — what sharing the machine costs
     ddp            DDP with its defaults (buckets closed once they hold 25 MiB)
     bucket_1mb     DDP with 1 MiB gradient buckets (more, smaller all-reduces, started earlier)
     bucket_100mb   DDP with 100 MiB buckets (fewer, larger all-reduces, started later)
@@ -21,14 +22,16 @@ per process instead):
     accum_sync     4 micro-batches per optimizer step, all-reduced after every micro-batch
     accum_no_sync  4 micro-batches per optimizer step, under no_sync() but the last
 
-The variants are timed in turns (``utils.distributed.interleaved_bench``: every round builds each variant afresh
-and times one block of steps; the accumulation variants, of 4 micro-batches per step, get blocks twice as long),
-and after all the rounds each is profiled once: its kernels' time split into computation, communication not hidden
+The variants are timed in alternating rounds (``utils.distributed.interleaved_bench``: every round builds each
+variant afresh and times one block of steps; the accumulation variants, of 4 micro-batches per step, get blocks
+twice as long; the notebook compares them round by round with ``utils.distributed.compared``), and after all the
+rounds each is profiled once: its kernels' time split into computation, communication not hidden
 by it, and idle time (``--profile-trace PATH``: rank 0 also saves the Perfetto trace of ``ddp``). Rank 0 writes
 everything as JSON (``--result``), with the bytes each variant all-reduces per optimizer step.
 """
 
 import copy
+import os
 import sys
 from contextlib import nullcontext
 from dataclasses import replace
@@ -37,6 +40,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the course's utils, however this is started
 
 import torch
+import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -55,13 +59,14 @@ VARIANTS = ("plain", "ddp", "bucket_1mb", "bucket_100mb", "bucket_view", "static
             "accum_sync", "accum_no_sync")
 
 
-def wrap(model, ctx, variant):
-    """The model as the variant trains it (DDP with the variant's options, or itself for 'plain')."""
+def wrap(model, ctx, variant, group=None):
+    """The model as the variant trains it (DDP over ``group``, default all ranks, with the variant's options, or
+    itself for 'plain')."""
     if variant == "plain":
         return model
     options = {"bucket_1mb": {"bucket_cap_mb": 1}, "bucket_100mb": {"bucket_cap_mb": 100},
                "bucket_view": {"gradient_as_bucket_view": True}, "static_graph": {"static_graph": True}}
-    ddp = DDP(model, device_ids=[ctx.local_rank] if ctx.device.type == "cuda" else None,
+    ddp = DDP(model, device_ids=[ctx.local_rank] if ctx.device.type == "cuda" else None, process_group=group,
               **options.get(variant, {}))
     if variant == "compress_hook":
         bf16 = ctx.device.type == "cpu" or D.native_bf16(ctx.device)
@@ -138,6 +143,10 @@ def check(ctx, config, batch, seq, tol=1e-4):
             "grad_bytes": grad_bytes}
 
 
+def idle():
+    """The step of a rank that sits a variant out (the variant runs on fewer ranks)."""
+
+
 def step_fn(model, optimizer, variant, x, y, amp_dtype):
     """One optimizer step of the variant on (x, y)."""
     if not variant.startswith("accum"):
@@ -156,10 +165,12 @@ def step_fn(model, optimizer, variant, x, y, amp_dtype):
     return accumulate
 
 
-def parse_variant(spec, default_batch):
-    """'ddp' → ('ddp', default_batch); 'ddp@32' → ('ddp', 32)."""
-    name, _, batch = spec.partition("@")
-    return name, int(batch) if batch else default_batch
+def parse_variant(spec, default_batch, world_size):
+    """(name, sequences per process, processes): 'ddp' → ('ddp', default_batch, world_size); 'ddp@32' → ('ddp', 32,
+    world_size); 'ddp:1' and 'ddp@32:1' → on the first process alone."""
+    rest, _, ranks = spec.partition(":")
+    name, _, batch = rest.partition("@")
+    return name, int(batch) if batch else default_batch, int(ranks) if ranks else world_size
 
 
 def allreduce_bytes(name, grad_bytes, world_size):
@@ -202,19 +213,22 @@ def main() -> None:
     on_gpu = args.device == "cuda"
     batch = args.batch or (32 if on_gpu else 4)
     specs = [v for v in args.variants.split(",") if v]
+    world = int(os.environ.get("WORLD_SIZE", "1"))
     try:
-        parsed = {spec: parse_variant(spec, batch) for spec in specs}
+        parsed = {spec: parse_variant(spec, batch, world) for spec in specs}
     except ValueError:
-        parser.error(f"--variants {args.variants!r}: a batch after '@' must be a whole number")
-    unknown = {name for name, _ in parsed.values()} - set(VARIANTS)
+        parser.error(f"--variants {args.variants!r}: a batch after '@' and processes after ':' are whole numbers")
+    unknown = {name for name, _, _ in parsed.values()} - set(VARIANTS)
     if unknown:
         parser.error(f"unknown variants {sorted(unknown)}: choose from {', '.join(VARIANTS)}")
+    if any(not 1 <= ranks <= world for *_, ranks in parsed.values()):
+        parser.error(f"--variants {args.variants!r}: a variant runs on 1 to {world} processes")
     ctx = D.setup(args.device, timeout_s=args.timeout_s)
     config_name = args.config or ("seed" if on_gpu else "tiny")
     config = CONFIGS[config_name]
     seq = args.seq or (256 if on_gpu else 32)
-    rounds = args.rounds or (6 if on_gpu else 3)
-    min_run_s = args.min_run_s or (1.5 if on_gpu else 0.3)
+    rounds = args.rounds or (10 if on_gpu else 4)
+    min_run_s = args.min_run_s or (2.0 if on_gpu else 0.3)
     amp_dtype = (torch.bfloat16 if D.native_bf16(ctx.device) else torch.float16) if on_gpu else None
     out = {"world_size": ctx.world_size, "backend": ctx.backend, "batch_per_rank": batch, "seq": seq,
            "config": config_name,
@@ -230,22 +244,28 @@ def main() -> None:
         out["grad_bytes"] = 4 * out["parameters"]  # fp32 gradients: what DDP all-reduces every step
         D.log(ctx, f"the '{config_name}' Transformer: {out['parameters'] / 1e6:,.2f} M parameters, {seq} tokens per "
                    "sequence")
-        data = {b: shard(ctx, b, seq, config.vocab_size, seed=2)[1] for b in sorted({b for _, b in parsed.values()})}
+        data = {b: shard(ctx, b, seq, config.vocab_size, seed=2)[1] for b in sorted({b for _, b, _ in parsed.values()})}
+        # a process group of the first k ranks for every variant on fewer than all (every rank creates each one)
+        groups = {k: dist.new_group(list(range(k))) for k in sorted({k for *_, k in parsed.values()}) if k < world}
 
         def build(spec):
-            name, b = parsed[spec]
+            name, b, k = parsed[spec]
             if on_gpu:
                 torch.cuda.reset_peak_memory_stats(ctx.device)
+            if ctx.rank >= k:
+                return idle  # this rank sits the variant out
             with torch.device(ctx.device):  # built where it trains (faster than on the CPU, then copied)
                 model = TransformerModel(config)
             model.load_state_dict(init_state)
-            wrapped = wrap(model, ctx, name)
+            wrapped = wrap(model, ctx, name, groups.get(k))
             optimizer = torch.optim.AdamW(wrapped.parameters(), lr=1e-4, fused=on_gpu)
             return step_fn(wrapped, optimizer, name, *data[b], amp_dtype)
 
         profiled = set(specs) if args.profile == "all" else set(args.profile.split(","))
 
         def measured(spec, step, timing):
+            if step is idle:
+                return {"peak_bytes": None, "profile": None}
             if spec not in profiled:
                 return {"peak_bytes": torch.cuda.max_memory_allocated(ctx.device) if on_gpu else None,
                         "profile": None}
@@ -257,14 +277,14 @@ def main() -> None:
                                               rounds=rounds, warmup=3 if on_gpu else 2, block_s=block_s,
                                               measure=measured)
         for spec in specs:
-            name, b = parsed[spec]
+            name, b, k = parsed[spec]
             timing = timings[spec]
-            entry = {"variant": name, "batch": b, "timing": D.timing_to_dict(timing),
-                     "tokens_per_s": ctx.world_size * b * seq / timing.median_s,
-                     "allreduce_bytes": allreduce_bytes(name, out["grad_bytes"], ctx.world_size), **extras[spec]}
+            entry = {"variant": name, "batch": b, "ranks": k, "tokens_per_rank": b * seq,
+                     "timing": D.timing_to_dict(timing), "tokens_per_s": k * b * seq / timing.median_s,
+                     "allreduce_bytes": allreduce_bytes(name, out["grad_bytes"], k), **extras[spec]}
             out["variants"][spec] = entry
             D.log(ctx, f"{spec:>16}: {timing.median_s * 1e3:8.2f} ms per step (IQR {timing.iqr_s * 1e3:.2f}, "
-                       f"{rounds} rounds), {entry['tokens_per_s']:,.0f} tokens/s over {ctx.world_size} process(es)")
+                       f"{rounds} rounds), {entry['tokens_per_s']:,.0f} tokens/s over {k} process(es)")
         D.write_result(ctx, args.result, out)
     finally:
         D.teardown()

@@ -5,8 +5,9 @@ budget trained sharded, and a distributed checkpoint saved, reloaded and resumed
 
 1. **Memory.** The same model and batch trained by DDP and by FSDP2 (every encoder layer, the embedding and the
    head sharded as units, then the root): peak allocated memory per GPU over a few steps, the bytes of
-   parameters, gradients and optimizer state each rank holds, and the time per step; then, once both are timed,
-   a profile of a few steps of each (computation, communication not hidden by it, idle time).
+   parameters, gradients and optimizer state each rank holds, and the time per step, timed in alternating rounds
+   (``utils.distributed.interleaved_bench``); then, once both are timed, a profile of a few steps of each
+   (computation, communication not hidden by it, idle time).
 2. **A model that does not fit** (GPU only): a budget per GPU is emulated with
    ``torch.cuda.set_per_process_memory_fraction``, below what one GPU needs to train the model (parameters,
    gradients and AdamW's two moments, 16 bytes per parameter) but well above what half of that state needs. The
@@ -135,54 +136,55 @@ def release(ctx):
         torch.cuda.empty_cache()
 
 
-def memory(ctx, config, batch, seq, min_run_s):
-    """DDP and FSDP2 on the same model and batch: peak memory, state bytes per rank, time per step; then, after
-    both are timed (a finished profiler session can slow what runs after it), a profile of each."""
+def memory(ctx, config, batch, seq, min_run_s, rounds):
+    """DDP and FSDP2 on the same model and batch: time per step, in alternating rounds (``D.interleaved_bench``);
+    then, after every round (a finished profiler session can slow what runs after it), each once more: its peak
+    memory over a few steps, the state bytes per rank and a profile."""
     amp_dtype, mp_policy = precision(ctx)
     torch.manual_seed(0)
-    init_state = TransformerModel(config).state_dict()
+    init_state = TransformerModel(config).state_dict()  # on the CPU: outside every peak
     x, y = batch_for(ctx, 0, batch, seq, config.vocab_size)
 
     def build(kind):
-        """(model, optimizer, autocast dtype): DDP under autocast, or FSDP2 whose policy casts the parameters."""
-        model = TransformerModel(config)
+        """The step of DDP under autocast, or of FSDP2 (whose policy casts the parameters), built afresh; the peak
+        is counted from the built model on (FSDP2's shards, not the whole model before sharding)."""
+        with torch.device(ctx.device):  # built where it trains (faster than on the CPU, then copied)
+            model = TransformerModel(config)
         model.load_state_dict(init_state)
         if kind == "ddp":
-            model = DDP(model.to(ctx.device), device_ids=[ctx.local_rank] if ctx.device.type == "cuda" else None)
-            return model, torch.optim.AdamW(model.parameters(), lr=1e-4), amp_dtype
-        model = shard_model(model, ctx, mp_policy)
-        return model, torch.optim.AdamW(model.parameters(), lr=1e-4), None
-
-    out = {"parameters": parameter_count(config)}
-    for kind in ("ddp", "fsdp"):
-        model, optimizer, step_amp = build(kind)
+            model, step_amp = DDP(model, device_ids=[ctx.local_rank] if ctx.device.type == "cuda" else None), amp_dtype
+        else:
+            model, step_amp = shard_model(model, ctx, mp_policy), None
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         if ctx.device.type == "cuda":
             torch.cuda.synchronize(ctx.device)
             torch.cuda.reset_peak_memory_stats(ctx.device)
-        for _ in range(3):
-            train_step(model, optimizer, x, y, step_amp)
+
+        def step():
+            return train_step(model, optimizer, x, y, step_amp)
+
+        step.model, step.optimizer = model, optimizer  # for measure(), released with the step
+        return step
+
+    def measure(kind, step, timing):
         peak = torch.cuda.max_memory_allocated(ctx.device) if ctx.device.type == "cuda" else None
-        state = D.model_state_bytes(model, optimizer)
-        timing = D.collective_bench(lambda m=model, o=optimizer, a=step_amp: train_step(m, o, x, y, a), ctx,
-                                    label=kind, warmup=1, min_run_time=min_run_s)
-        out[kind] = {"peak_bytes": peak, "state_bytes": state, "timing": D.timing_to_dict(timing),
-                     "tokens_per_s": ctx.world_size * batch * seq / timing.median_s}
+        state = D.model_state_bytes(step.model, step.optimizer)
+        prof = profile_steps(step, steps=3, warmup=2, device=ctx.device, step_s=timing.median_s)
         D.log(ctx, f"{kind:>4}: model state per rank {state['total'] / 2**20:,.1f} MiB"
                    + (f", peak allocated {peak / 2**20:,.0f} MiB" if peak is not None else "")
                    + f", {timing.median_s * 1e3:.2f} ms per step")
-        del model, optimizer
-        release(ctx)
-    for kind in ("ddp", "fsdp"):  # profiled after both are timed
-        model, optimizer, step_amp = build(kind)
-        prof = profile_steps(lambda m=model, o=optimizer, a=step_amp: train_step(m, o, x, y, a), steps=3, warmup=2,
-                             device=ctx.device, step_s=out[kind]["timing"]["median_s"])
-        out[kind]["profile"] = {**D.communication_overlap(prof.kernels, steps=prof.steps), "busy_s": prof.busy_s,
-                                "kernels_per_step": prof.kernels_per_step,
-                                "comm_calls_per_step": sum(1 for k in prof.kernels
-                                                           if D.COMMUNICATION.search(k.name)) / prof.steps}
-        del model, optimizer
-        release(ctx)
-    return out
+        return {"peak_bytes": peak, "state_bytes": state,
+                "profile": {**D.communication_overlap(prof.kernels, steps=prof.steps), "busy_s": prof.busy_s,
+                            "kernels_per_step": prof.kernels_per_step,
+                            "comm_calls_per_step": sum(1 for k in prof.kernels
+                                                       if D.COMMUNICATION.search(k.name)) / prof.steps}}
+
+    timings, extras = D.interleaved_bench({kind: (lambda kind=kind: build(kind)) for kind in ("ddp", "fsdp")}, ctx,
+                                          rounds=rounds, warmup=3, block_s=min_run_s / rounds, measure=measure)
+    release(ctx)
+    return {"parameters": parameter_count(config), "rounds": rounds,
+            **{kind: {"timing": D.timing_to_dict(timings[kind]), **extras[kind],
+                      "tokens_per_s": ctx.world_size * batch * seq / timings[kind].median_s} for kind in timings}}
 
 
 def too_big(ctx, batch, seq):
@@ -290,6 +292,7 @@ def main() -> None:
     parser = D.script_arguments(__doc__.splitlines()[0])
     parser.add_argument("--checkpoint-dir", type=Path, required=True)
     parser.add_argument("--min-run-s", type=float, default=None)
+    parser.add_argument("--rounds", type=int, default=None, help="alternating rounds of DDP's and FSDP2's steps")
     parser.add_argument("--phases", default="memory,too_big,checkpoint", help="which of the three parts to run")
     parser.add_argument("--bf16", action="store_true", help="bf16 mixed precision even on a CPU")
     args = parser.parse_args()
@@ -303,7 +306,8 @@ def main() -> None:
     try:
         if "memory" in phases:
             size, batch, seq = ("large", 8, 256) if on_gpu else ("tiny", 4, 32)
-            out["memory"] = memory(ctx, CONFIGS[size], batch, seq, args.min_run_s or (1.0 if on_gpu else 0.2))
+            out["memory"] = memory(ctx, CONFIGS[size], batch, seq, args.min_run_s or (1.5 if on_gpu else 0.2),
+                                   args.rounds or (10 if on_gpu else 4))
             out["memory"]["config"] = size
         if "too_big" in phases and on_gpu:
             out["too_big"] = too_big(ctx, 2, 256)

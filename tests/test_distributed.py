@@ -237,25 +237,111 @@ def test_per_call_floor_tells_host_work_from_a_latency():
         D.per_call_floor(_rows([10.0]))
 
 
-def _timing(label, median_ms, iqr_ms):
-    half = iqr_ms / 2e3
-    m = median_ms / 1e3
-    return Timing(label, m, iqr_ms / 1e3, (m - 1.5 * half, m - half, m, m + half, m + 1.5 * half), 4, "cuda:0")
+def _variant(step_ms_by_round, ranks=2, batch=4, seq=32, profile=None, allreduce_bytes=0):
+    """A variant as scripts/ddp_train.py reports it, with one block per round."""
+    times = [t / 1e3 for t in step_ms_by_round]
+    timing = D.timing_to_dict(Timing("v", sorted(times)[len(times) // 2], 0.0, tuple(times), 1, "cuda:0"))
+    return {"ranks": ranks, "batch": batch, "tokens_per_rank": batch * seq, "timing": timing, "profile": profile,
+            "allreduce_bytes": allreduce_bytes}
 
 
-def test_ddp_scaling_picks_the_baseline_and_says_why():
-    # notebook 10's H200 run at 128 per GPU: the plain model alone and beside DDP agree
-    s = D.ddp_scaling(_timing("alone", 45.17, 0.07), _timing("beside", 45.28, 0.08), _timing("ddp", 46.70, 0.16), 2)
-    assert s.baseline.label == "alone" and math.isclose(s.speedup, 2 * 45.17 / 46.70) and "agree" in s.note
-    # … at 32: the one-GPU launch ran 16.54 ms where the same work beside DDP took 13.59 ms
-    s = D.ddp_scaling(_timing("alone", 16.54, 1.78), _timing("beside", 13.59, 1.30), _timing("ddp", 17.11, 2.13), 2)
-    assert s.baseline.label == "beside" and round(s.efficiency, 2) == 0.79
-    assert s.note.startswith("the one-GPU launch ran 1.22× slower") and "interleaved baseline" in s.note
-    # sharing the machine slows the plain model: a real cost, kept in the scaling
-    s = D.ddp_scaling(_timing("alone", 10.0, 0.1), _timing("beside", 11.0, 0.1), _timing("ddp", 11.5, 0.1), 2)
-    assert s.baseline.label == "alone" and "sharing the machine" in s.note and s.efficiency < 0.9
-    with pytest.raises(ValueError):
-        D.ddp_scaling(_timing("a", 1, 0), _timing("b", 1, 0), _timing("c", 1, 0), 1)
+def _launch(plain1, plain2, ddp1, ddp2, at=""):
+    return {f"plain{at}:1": _variant(plain1, 1), f"plain{at}": _variant(plain2), f"ddp{at}:1": _variant(ddp1, 1),
+            f"ddp{at}": _variant(ddp2)}
+
+
+def test_compared_pairs_the_rounds_of_one_launch():
+    runs = _launch([10, 11, 10.5, 10.2], [10.1, 11, 10.6, 10.2], [11, 12, 11.5, 11.2], [12, 13, 12.5, 12.2])
+    c = D.compared(runs, {"DDP, 1": "ddp:1", "DDP, 2": "ddp"})
+    assert c.variants == ["DDP, 1", "DDP, 2"] and c.baseline == "DDP, 1" and c.rounds == 4
+    assert c.ratios("DDP, 2") == pytest.approx([11 / 12, 12 / 13, 11.5 / 12.5, 11.2 / 12.2])
+    assert c.verdict().outcome == "slower", "every round: the drift cancels in the paired ratios"
+    assert D.compared(runs, ["plain:1", "plain"]).variants == ["plain:1", "plain"], "a list shows the keys"
+    with pytest.raises(KeyError, match="no_such"):
+        D.compared(runs, ["ddp", "no_such"])
+
+
+def test_scaling_is_a_ratio_of_throughputs_from_the_same_rounds():
+    # notebook 10's 2 × H200 run at 128 per GPU: 45.2 ms on one GPU, 46.7 ms with DDP on two (a drifting clock)
+    runs = _launch([45.2, 46.2, 45.0, 47.0, 45.4, 45.3], [45.3, 46.3, 45.1, 47.2, 45.5, 45.4],
+                   [46.0, 47.0, 45.9, 47.9, 46.2, 46.1], [46.7, 47.8, 46.5, 48.6, 46.9, 46.8], at="@128")
+    s = D.scaling(runs, at="@128")
+    assert s.variants == ["plain, 1 GPU", "plain, 2 GPUs at once (no communication)", "DDP, 1 GPU", "DDP, 2 GPUs"]
+    v = s.verdict()
+    assert v.variant == "DDP, 2 GPUs" and v.outcome == "faster"
+    assert v.speedup == pytest.approx(2 * 45.2 / 46.7, rel=0.01)
+    assert s.time_s("DDP, 2 GPUs") == pytest.approx(46.85e-3 / 2), "per batch of one GPU: the median step / 2"
+    assert s.rate("plain, 1 GPU") == pytest.approx(4 * 32 / 45.35e-3, rel=1e-6), "tokens/s"
+    assert s.verdict("DDP, 1 GPU").outcome == "same", "DDP's own work on one GPU: 2%, within the resolution"
+    assert "processes" in D.scaling(runs, at="@128", unit="process").variants[1]
+    with pytest.raises(ValueError, match="one rank and on n"):
+        D.scaling({**runs, "ddp@128": _variant([1.0] * 6, ranks=1)}, at="@128")
+    with pytest.raises(KeyError):
+        D.scaling(runs)  # no variants without a batch suffix
+
+
+def test_efficiency_difference_pairs_the_rounds_of_both_batches():
+    big = D.scaling(_launch([45.0] * 4 + [44.0, 46.0], [45.0] * 6, [46.0] * 6, [47.0, 46.9, 47.1, 47.0, 45.9, 48.1]))
+    # at the small batch, one GPU's step swings from round to round, and DDP's with it
+    small = D.scaling(_launch([18.0, 16.0, 19.0, 17.0, 18.5, 16.5], [18.0] * 6, [19.0] * 6,
+                              [22.0, 19.6, 23.2, 20.7, 22.6, 20.1]))
+    v = D.efficiency_difference(big, small, names=("at 128", "at 32"))
+    assert v.outcome == "faster" and str(v).startswith("at 128 vs at 32: ") and v.speedup > 1.05
+    assert D.efficiency_difference(small, big).outcome == "slower"
+    assert D.efficiency_difference(big, big).outcome == "same"
+    noisy = D.scaling(_launch([18.0] * 6, [18.0] * 6, [19.0] * 6, [15.0, 25.0, 16.0, 24.0, 17.0, 23.0]))
+    assert D.efficiency_difference(big, noisy).outcome == "inconclusive"
+
+
+def test_step_verdict_gives_the_reason_of_the_outcome_it_has():
+    from utils.bench import verdict_from_ratios
+
+    base, longer = _parts(13.2e-3, 13.0e-3, 0.0), _parts(15.7e-3, 13.2e-3, 0.5e-3)
+    slower = verdict_from_ratios("B", "A", [0.84, 0.85, 0.83, 0.84, 0.86, 0.84])
+    text = D.step_verdict(slower, base, longer, acts_on=("the exposed communication", 0.1e-3))
+    assert text.startswith("B vs A: 1.19× slower") and "— the step is 2.5 ms longer" in text
+    assert "mostly GPU idle" in text
+    faster = verdict_from_ratios("A", "B", [1.18, 1.19, 1.2, 1.19, 1.18, 1.19])
+    assert "the step is 2.5 ms shorter" in D.step_verdict(faster, longer, base)
+    assert D.step_verdict(faster, base, longer) == str(faster), "splits that moved the other way: no reason"
+    same = verdict_from_ratios("B", "A", [1.0, 1.01, 0.99, 1.0, 1.005, 0.995])
+    bound = D.step_verdict(same, base, longer, acts_on=("DDP's own work", 0.2e-3))
+    assert bound.endswith("— it acts on DDP's own work: 200 µs per step, 2% of the step")
+    big = D.step_verdict(same, base, longer, acts_on=("DDP's own work", 2e-3))
+    assert big.endswith("within the noise: no part is named as its cause"), "a bound that cannot explain it"
+    unsure = verdict_from_ratios("B", "A", [0.8, 1.2, 0.9, 1.1, 0.85, 1.15])
+    assert D.step_verdict(unsure, base, longer, acts_on=("DDP's own work", 2e-3)).endswith("15% of the step")
+    assert "mostly" not in D.step_verdict(unsure, base, longer)
+    assert D.step_verdict(same) == str(same)
+
+
+def test_parts_of_splits_every_profiled_variant_and_counts_its_calls():
+    profile = {"compute_s": 8e-3, "exposed_s": 1e-3, "comm_calls_per_step": 4.0}
+    runs = {"ddp": _variant([10.0, 10.0], profile=profile, allreduce_bytes=4 << 20),
+            "bucket_1mb": _variant([11.0, 11.0], profile={**profile, "comm_calls_per_step": 16.0},
+                                   allreduce_bytes=4 << 20),
+            "plain": _variant([9.0, 9.0]), "parameters": 1234}
+    parts = D.parts_of(runs, _rows(H200_ALLREDUCE_US), on_gpu=True)
+    assert set(parts) == {"ddp", "bucket_1mb"} and math.isclose(parts["ddp"].idle_s, 1e-3)
+    assert not parts["ddp"].representative, "1 ms exposed where 4 MiB need ~13 µs: waiting, not transfer"
+    assert D.parts_of(runs, on_gpu=True)["ddp"].representative, "without rows: not checked against the link"
+    split = D.parts_of(runs, on_gpu=True)
+    assert D.step_difference(split["ddp"], split["bucket_1mb"]).endswith(
+        "; 16 communication calls per step instead of 4")
+    on_cpu = D.parts_of(runs, on_gpu=False)
+    assert "communication calls" not in D.step_difference(on_cpu["ddp"], on_cpu["bucket_1mb"]), "gloo: unseen"
+
+
+def test_bus_rate_records_the_largest_message_with_its_band():
+    row = {"bytes": 1 << 30, "bus_gbps": 330.0, "alg_gbps": 330.0,
+           "timing": D.timing_to_dict(Timing("1 GiB", 3.25e-3, 0.1e-3, (3.2e-3, 3.25e-3, 3.3e-3), 1, "cuda:0"))}
+    rate = D.bus_rate(row)
+    assert rate.value == 330.0 and rate.unit == "GB/s" and "1.00 GiB" in rate.name
+    from utils import results
+
+    rate.record("allreduce_busbw_gbps_test", limit=450.0, limit_name="link spec")
+    result = results.RECORDED.pop("allreduce_busbw_gbps_test")
+    assert result.band[0] < 330.0 < result.band[1] and round(result.percent_of_limit) == 73
 
 
 def test_too_big_model_is_sized_from_the_gpus_memory():
@@ -304,7 +390,7 @@ def test_nccl_digest_keeps_each_telling_line_once_and_both_directions():
     assert digest.kept == [NCCL_LINES[i] for i in (0, 2, 5, 7, 9)]
 
 
-def test_interleaved_bench_builds_every_variant_every_round_in_rotating_order():
+def test_interleaved_bench_builds_every_variant_every_round_in_rotating_order(monkeypatch):
     import torch.distributed as dist
 
     created = not dist.is_initialized()
@@ -340,6 +426,13 @@ def test_interleaved_bench_builds_every_variant_every_round_in_rotating_order():
             D.interleaved_bench({}, ctx)
         with pytest.raises(ValueError, match="every label"):
             D.interleaved_bench({"a": builder("a", 1e-3)}, ctx, block_s={"b": 0.01})
+        from utils import profile
+
+        monkeypatch.setattr(profile, "_SESSIONS", ["a test's profile"])
+        with pytest.raises(profile.ProfiledProcessError):
+            D.interleaved_bench({"a": builder("a", 1e-3)}, ctx)
+        with pytest.raises(profile.ProfiledProcessError):
+            D.collective_bench(lambda: None, ctx, label="x")
     finally:
         if created:
             dist.destroy_process_group()
@@ -429,8 +522,8 @@ def test_allreduce_script_checks_and_times(capsys):
 
 def test_ddp_script_equals_one_process_and_no_sync_accumulates():
     run = D.launch("ddp_train.py", 2, timeout_s=SCRIPT_TIMEOUT_S, echo=False,
-                   args=[*CPU, "--check", "--variants", "ddp,accum_no_sync,plain@2", "--min-run-s", 0.05,
-                         "--rounds", 2, "--profile", "ddp"])
+                   args=[*CPU, "--check", "--variants", "ddp,accum_no_sync,plain@2,ddp@2:1", "--min-run-s", 0.05,
+                         "--rounds", 2, "--profile", "ddp,ddp@2:1"])
     check = run.result["check"]
     assert check["grad_err"] < 1e-4 and check["weight_err"] < 1e-4
     sync, skip = check["accumulation"]["sync_every_micro_batch"], check["accumulation"]["no_sync"]
@@ -438,18 +531,23 @@ def test_ddp_script_equals_one_process_and_no_sync_accumulates():
     # counted after a first step: the whole gradient once with no_sync, once per micro-batch without
     assert skip["allreduce_bytes"] == check["grad_bytes"] and sync["allreduce_bytes"] == 2 * check["grad_bytes"]
     variants = run.result["variants"]
-    assert set(variants) == {"ddp", "accum_no_sync", "plain@2"}
+    assert set(variants) == {"ddp", "accum_no_sync", "plain@2", "ddp@2:1"}
     assert variants["plain@2"]["batch"] == 2 and variants["ddp"]["batch"] == 4
+    assert [variants[v]["ranks"] for v in ("ddp", "ddp@2:1")] == [2, 1], "':1': the first rank alone"
+    assert variants["ddp@2:1"]["tokens_per_rank"] == 2 * run.result["seq"]
     assert len(variants["ddp"]["timing"]["block_times_s"]) == 2, "one block per round"
     assert variants["ddp"]["profile"]["compute_s"] > 0 and variants["accum_no_sync"]["profile"] is None
+    assert variants["ddp@2:1"]["profile"]["compute_s"] > 0, "rank 0 profiled DDP in its group of one"
     grad = run.result["grad_bytes"]
-    assert [variants[v]["allreduce_bytes"] for v in ("ddp", "accum_no_sync", "plain@2")] == [grad, grad, 0]
+    assert [variants[v]["allreduce_bytes"] for v in ("ddp", "accum_no_sync", "plain@2", "ddp@2:1")] == [grad, grad,
+                                                                                                         0, 0]
+    assert D.compared(variants, ["ddp@2:1", "ddp"]).rounds == 2
 
 
-def test_ddp_script_rejects_unknown_variants():
+@pytest.mark.parametrize("variants", ["ddp,no_such_thing", "ddp:2", "ddp:x"])
+def test_ddp_script_rejects_unknown_variants(variants):
     with pytest.raises(D.LaunchError):
-        D.launch("ddp_train.py", 1, timeout_s=SCRIPT_TIMEOUT_S, echo=False,
-                 args=[*CPU, "--variants", "ddp,no_such_thing"])
+        D.launch("ddp_train.py", 1, timeout_s=SCRIPT_TIMEOUT_S, echo=False, args=[*CPU, "--variants", variants])
 
 
 def test_fsdp_script_shards_and_resumes_from_a_checkpoint(tmp_path):
@@ -458,6 +556,7 @@ def test_fsdp_script_shards_and_resumes_from_a_checkpoint(tmp_path):
                    args=[*CPU, "--checkpoint-dir", tmp_path / "ckpt", "--min-run-s", 0.05, "--bf16"])
     mem = run.result["memory"]
     assert mem["fsdp"]["state_bytes"]["total"] <= 0.55 * mem["ddp"]["state_bytes"]["total"]
+    assert D.compared(mem, {"DDP": "ddp", "FSDP2": "fsdp"}).rounds == mem["rounds"] == 4, "alternating rounds"
     assert mem["parameters"] > 0 and all(mem[k]["profile"]["compute_s"] > 0 for k in ("ddp", "fsdp"))
     ckpt = run.result["checkpoint"]
     torch.testing.assert_close(ckpt["resumed"], ckpt["uninterrupted"], rtol=1e-5, atol=1e-6)
@@ -521,9 +620,11 @@ def test_allreduce_script_on_two_gpus():
 @needs_two_gpus
 def test_ddp_script_on_two_gpus():
     run = D.launch("ddp_train.py", 2, timeout_s=300, echo=False,
-                   args=["--device", "cuda", "--timeout-s", 60, "--check", "--variants", "ddp,bucket_1mb",
+                   args=["--device", "cuda", "--timeout-s", 60, "--check", "--variants", "ddp,bucket_1mb,ddp:1,plain:1",
                          "--min-run-s", 0.2, "--rounds", 2, "--profile-trace", "/tmp/course_ddp_trace.json"])
     assert run.result["check"]["grad_err"] < 1e-4 and run.result["backend"] == "nccl"
+    alone = run.result["variants"]["ddp:1"]  # DDP in an NCCL group of rank 0 alone, GPU 1 idle meanwhile
+    assert alone["ranks"] == 1 and alone["profile"]["compute_s"] > 0 and alone["peak_bytes"] > 0
     profiles = {v: e["profile"] for v, e in run.result["variants"].items()}
     assert profiles["ddp"]["comm_s"] > 0, "the profile shows NCCL kernels"
     assert profiles["bucket_1mb"]["comm_calls_per_step"] > profiles["ddp"]["comm_calls_per_step"] >= 1
@@ -585,27 +686,3 @@ def test_main_change_names_a_part_only_when_it_dominates():
     assert "mostly" not in quiet and quiet.endswith("within the noise: no part is named as its cause")
     assert quiet.startswith("the step is 307 µs shorter") and "GPU idle (waiting for the host to issue work) −1.14 ms" \
         in quiet
-
-
-def test_efficiency_difference_accounts_for_the_spread():
-    # notebook 10's 2 × H200 run: 96% at 128 per GPU, 90% at 32, where the one-GPU step had an IQR of 5.37 ms
-    big = D.ddp_scaling(_timing("alone", 45.38, 0.22), _timing("beside", 45.37, 0.01), _timing("ddp", 47.41, 0.35), 2)
-    small = D.ddp_scaling(_timing("alone", 18.51, 5.37), _timing("beside", 17.06, 1.65), _timing("ddp", 20.64, 2.0), 2)
-    assert round(big.efficiency, 2) == 0.96 and round(small.efficiency, 2) == 0.90
-    assert math.isclose(big.efficiency_range[0], 45.27 / 47.585) and math.isclose(big.efficiency_range[1],
-                                                                                  45.49 / 47.235)
-    low, high = small.efficiency_range
-    assert low < small.efficiency < high and low < 0.75 and high > 1.05, "a wide spread: a wide range"
-    outcome, why = D.efficiency_difference(big, small)
-    assert outcome == "same" and "overlap" in why
-    # the same medians with tight timings: the difference is real, either way round
-    tight_big = D.ddp_scaling(_timing("a", 45.38, 0.1), _timing("b", 45.38, 0.1), _timing("d", 47.41, 0.1), 2)
-    tight_small = D.ddp_scaling(_timing("a", 18.51, 0.1), _timing("b", 18.51, 0.1), _timing("d", 20.64, 0.1), 2)
-    assert D.efficiency_difference(tight_big, tight_small) == ("higher", "")
-    assert D.efficiency_difference(tight_small, tight_big) == ("lower", "")
-    # ranges apart, but under 5 points between the efficiencies: not called a difference
-    near = D.ddp_scaling(_timing("a", 10.0, 0.01), _timing("b", 10.0, 0.01), _timing("d", 10.7, 0.01), 2)
-    assert near.efficiency_range[1] < tight_big.efficiency_range[0]
-    outcome, why = D.efficiency_difference(tight_big, near)
-    assert outcome == "same" and "under 5 points" in why
-    assert D.efficiency_difference(tight_big, near, min_points=0.01)[0] == "higher"

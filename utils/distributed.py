@@ -16,16 +16,20 @@ process fails. The child processes get the notebook's environment unchanged — 
 Inside a script: :func:`setup` reads the ranks, pins the process to its GPU (``torch.cuda.set_device``), and
 joins the process group — NCCL on GPUs, gloo on a CPU — with a short ``timeout``, so that a collective that one
 rank never reaches fails with an error instead of hanging; :func:`teardown` leaves it. :func:`collective_bench`
-times work that contains collectives (every rank must make the same number of calls, which ``utils.bench.bench``
-does not guarantee), :func:`interleaved_bench` times several variants of a step in turns (so that drift in the
-machine falls on all of them alike), :func:`write_result` hands rank 0's numbers back to the notebook.
+times one thing that contains collectives (every rank must make the same number of calls, which
+``utils.bench.bench`` does not guarantee), :func:`interleaved_bench` times several variants of a step in alternating
+rounds, and :func:`write_result` hands rank 0's numbers back to the notebook.
 
-Also here: bus bandwidth of an all-reduce and what the benchmark's rows say (:func:`allreduce_time_s`,
-:func:`per_call_floor`), the communication/computation overlap in a profile and what a step's time consists of
-(:func:`step_parts`, :func:`step_difference`), DDP's scaling against one GPU (:func:`ddp_scaling`,
-:func:`efficiency_difference`), the bytes of model state a rank holds, the link between two GPUs as ``nvidia-smi
-topo -m`` reports it with its specified rate, and :class:`NcclDigest`, which keeps the few telling lines of
-``NCCL_DEBUG=INFO`` output.
+Back in the notebook, what a launch timed in the same rounds becomes one ``utils.bench.Comparison``
+(:func:`compared`, built with ``Comparison.from_rounds``): one number and one verdict per variant, as everywhere in
+the course. :func:`scaling` puts DDP's throughput on several GPUs against one GPU's, from variants of the same
+rounds, and :func:`step_verdict` gives a verdict the reason measured in the profiles (:func:`step_parts`,
+:func:`step_difference`).
+
+Also here: bus bandwidth of an all-reduce and what the benchmark's rows say (:func:`bus_rate`,
+:func:`allreduce_time_s`, :func:`per_call_floor`), the communication/computation overlap in a profile, the bytes
+of model state a rank holds, the link between two GPUs as ``nvidia-smi topo -m`` reports it with its specified rate,
+and :class:`NcclDigest`, which keeps the few telling lines of ``NCCL_DEBUG=INFO`` output.
 """
 
 from __future__ import annotations
@@ -57,7 +61,9 @@ from typing import Any
 
 import torch
 
-from utils.bench import Timing
+from utils.bench import Comparison, Rate, Timing, Verdict, Work, verdict_from_ratios
+from utils.bench import format_seconds as fmt
+from utils.profile import assert_not_profiled
 
 ROOT = Path(__file__).resolve().parents[1]
 #: Where the course's distributed training scripts live.
@@ -413,7 +419,8 @@ def timing_to_dict(timing: Timing) -> dict[str, Any]:
 
 
 def timing_from_dict(data: dict[str, Any]) -> Timing:
-    """The :class:`utils.bench.Timing` a script reported, ready for ``utils.bench.compare``."""
+    """The :class:`utils.bench.Timing` a script reported (one rate or cost; comparisons of variants timed in the same
+    rounds come from their block times: :func:`compared`)."""
     return Timing(**{**data, "block_times_s": tuple(data["block_times_s"])})
 
 
@@ -431,10 +438,15 @@ def collective_bench(fn: Callable[[], object], ctx: Context, *, label: str, warm
 
     Every rank must make the same number of calls or one of them waits forever in a collective the others never
     join: the calls per block are agreed among the ranks (the largest any rank wants), the ranks start every block
-    together (a barrier, outside the timed region), and rank 0 decides when enough blocks are measured.
+    together (a barrier, outside the timed region), and rank 0 decides when enough blocks are measured. For one
+    thing (a rate, a cost); variants to compare are timed together by :func:`interleaved_bench`.
+
+    Raises:
+        utils.profile.ProfiledProcessError: when a profiler session already ran in this process.
     """
     if warmup < 0 or min_run_time <= 0 or min_blocks < 1:
         raise ValueError("collective_bench(): need warmup >= 0, min_run_time > 0, min_blocks >= 1")
+    assert_not_profiled("utils.distributed.collective_bench")
 
     def sync() -> None:
         if ctx.device.type == "cuda":
@@ -470,17 +482,20 @@ def interleaved_bench(builders: dict[str, Callable[[], Callable[[], object]]], c
                       warmup: int = 3, block_s: float | Mapping[str, float] = 0.25,
                       measure: Callable[[str, Callable[[], object], Timing], dict[str, Any]] | None = None,
                       ) -> tuple[dict[str, Timing], dict[str, dict[str, Any]]]:
-    """Per-call time of several variants of a step (work that may contain collectives), measured in turns.
+    """Per-call time of several variants of a step (work that may contain collectives), in alternating rounds: the
+    protocol of ``utils.bench.compare`` for work that every rank of a launch must run together.
 
     ``builders[label]()`` builds a variant afresh (its model, optimizer, ...) and returns its step function. In each
     of ``rounds`` rounds every variant is built, warmed up (``warmup`` calls) and timed for one block of calls; the
     order rotates from round to round and the variant is released before the next is built, so only one lives at a
     time. Whatever drifts while the rounds run — clocks, the host's other work, the allocator's state — then falls
-    on every variant alike instead of on whichever ran last, and the spread over the rounds shows it. The calls per
-    block are fixed in the first round (about ``block_s`` seconds, the largest any rank wants; ``block_s`` may also
-    map every label to its own, e.g. longer blocks for a variant of long steps) and the ranks start every block
-    together; median and IQR are over the rounds. On a GPU a garbage collection after each variant returns its
-    memory to the allocator even if part of it hangs in a reference cycle.
+    on every variant alike, and round ``i`` of one variant pairs with round ``i`` of another: the block times of
+    the Timings returned are those rounds, ready for ``utils.bench.Comparison.from_rounds`` (:func:`compared`).
+    The calls per block are fixed in the first round (about ``block_s`` seconds, the largest any rank wants;
+    ``block_s`` may also map every label to its own, e.g. longer blocks for a variant of long steps). The ranks start
+    every block together and wait for each other after it, so a rank that sits a variant out (its step does
+    nothing: e.g. DDP on a group of fewer ranks) idles while the others are timed. On a GPU a garbage collection
+    after each variant returns its memory to the allocator even if part of it hangs in a reference cycle.
 
     ``measure(label, step, timing)``, if given, runs after all the rounds, in a pass of its own: every variant is
     built once more, warmed up and handed over with its :class:`~utils.bench.Timing` (every rank calls it: it may
@@ -489,11 +504,15 @@ def interleaved_bench(builders: dict[str, Callable[[], Callable[[], object]]], c
     What it returns is collected per label.
 
     Returns: ``({label: Timing}, {label: measure's dict})``.
+
+    Raises:
+        utils.profile.ProfiledProcessError: when a profiler session already ran in this process.
     """
     blocks = {label: block_s for label in builders} if not isinstance(block_s, Mapping) else dict(block_s)
     if not builders or rounds < 1 or warmup < 0 or set(blocks) != set(builders) or min(blocks.values()) <= 0:
         raise ValueError("interleaved_bench(): need at least one builder, rounds >= 1, warmup >= 0 and block_s > 0 "
                          "(for every label when given per label)")
+    assert_not_profiled("utils.distributed.interleaved_bench")
 
     def sync() -> None:
         if ctx.device.type == "cuda":
@@ -523,6 +542,7 @@ def interleaved_bench(builders: dict[str, Callable[[], Callable[[], object]]], c
                 step()
             sync()
             times[label].append((timeit.default_timer() - start) / calls[label])
+            torch.distributed.barrier()  # a rank that sat this variant out waits here, idle, while the others run
             del step
             if ctx.device.type == "cuda":  # its memory goes before the next variant is built, even if in a cycle
                 gc.collect()
@@ -613,7 +633,8 @@ class StepParts:
     operators and ``idle_s`` is the time between them.
 
     ``representative`` is False when the profiled steps did something other than the timed ones (see
-    :func:`step_parts`); then ``why`` says what, and the split is not shown."""
+    :func:`step_parts`); then ``why`` says what, and the split is not shown. ``comm_calls``: communication
+    kernels (on a CPU, operators) per profiled step, where known."""
 
     step_s: float
     compute_s: float
@@ -622,6 +643,7 @@ class StepParts:
     on_gpu: bool
     representative: bool = True
     why: str = ""
+    comm_calls: float | None = None
 
     def names(self) -> dict[str, str]:
         if self.on_gpu:
@@ -632,8 +654,6 @@ class StepParts:
                 "exposed_s": "communication outside the operators", "compute_s": "time in operators"}
 
     def __str__(self) -> str:
-        from utils.bench import format_seconds as fmt
-
         if not self.representative:
             return f"step {fmt(self.step_s)}: {self.why}"
         names = self.names()
@@ -663,9 +683,13 @@ def step_parts(profile: dict[str, float], step_s: float, *, on_gpu: bool,
     communication exceeds :data:`EXPOSED_LIMIT` × ``transfer_s``, the time the step's all-reduced bytes need at the
     measured bandwidth (:func:`allreduce_time_s`; None or 0: not checked). Within the tolerance, a profile busier
     than the step keeps its proportions and fills the step (idle 0), so that the three parts add up to ``step_s``.
+    The profile's ``comm_calls_per_step``, if it has one, is kept as ``comm_calls``.
     """
-    from utils.bench import format_seconds as fmt
+    parts = _step_parts(profile, step_s, on_gpu=on_gpu, transfer_s=transfer_s)
+    return dataclasses.replace(parts, comm_calls=profile.get("comm_calls_per_step"))
 
+
+def _step_parts(profile: dict[str, float], step_s: float, *, on_gpu: bool, transfer_s: float | None) -> StepParts:
     compute, exposed = profile["compute_s"], profile["exposed_s"]
     busy = compute + exposed
     why = None
@@ -724,26 +748,28 @@ def step_difference(base: StepParts, other: StepParts, *, within_noise: bool = F
     ('split between …'), and where ``within_noise`` (the two steps' timings differ by no more than the noise), no
     cause at all. When either split is not representative, the step's change, which of the two steps' profile did
     not fit (named by its time) and why the split is not shown."""
-    from utils.bench import format_seconds as fmt
-
     delta = other.step_s - base.step_s
     head = (f"the step is {fmt(abs(delta))} {'longer' if delta >= 0 else 'shorter'} ({fmt(base.step_s)} → "
             f"{fmt(other.step_s)})")
+    calls = ""  # on a GPU only: on a CPU, gloo's work for DDP runs in threads the profiler does not see
+    if base.on_gpu and None not in (base.comm_calls, other.comm_calls) and round(base.comm_calls) != round(
+            other.comm_calls):
+        calls = f"; {other.comm_calls:.0f} communication calls per step instead of {base.comm_calls:.0f}"
     unrepresentative = next((p for p in (other, base) if not p.representative), None)
     if unrepresentative is not None:
-        return f"{head}; the {fmt(unrepresentative.step_s)} step's profile: {unrepresentative.why}"
+        return f"{head}; the {fmt(unrepresentative.step_s)} step's profile: {unrepresentative.why}{calls}"
     names = base.names()
     changes = _changes(base, other)
     listed = ", ".join(f"{names[k]} {'+' if changes[k] >= 0 else '−'}{fmt(abs(changes[k]))}"
                        for k in sorted(changes, key=lambda k: -abs(changes[k])))
     if within_noise:
-        return f"{head}: {listed} — the step's change is within the noise: no part is named as its cause"
+        return f"{head}: {listed} — the step's change is within the noise: no part is named as its cause{calls}"
     main = main_change(base, other)
     if main is not None:
-        return f"{head}: {listed} — mostly {main}"
+        return f"{head}: {listed} — mostly {main}{calls}"
     first, second = _moved_most(base, other)[:2]
     return (f"{head}: {listed} — no part dominates (in the step's direction, the largest change is under "
-            f"{DOMINANT:g}× the next): split between {names[first]} and {names[second]}")
+            f"{DOMINANT:g}× the next): split between {names[first]} and {names[second]}{calls}")
 
 
 def allreduce_time_s(rows: Sequence[dict[str, Any]], nbytes: float, messages: float = 1) -> tuple[float, dict | None]:
@@ -779,7 +805,6 @@ def per_call_floor(rows: Sequence[dict[str, Any]], *, on_gpu: bool = True) -> st
     Raises:
         ValueError: for fewer than two rows.
     """
-    from utils.bench import format_seconds as fmt
     from utils.memory import format_bytes
 
     if len(rows) < 2:
@@ -816,71 +841,136 @@ def per_call_floor(rows: Sequence[dict[str, Any]], *, on_gpu: bool = True) -> st
                    "(gloo's and PyTorch's), not a latency before it")
 
 
-@dataclass(frozen=True)
-class Scaling:
-    """Data-parallel throughput on ``nproc`` GPUs against one GPU at the same batch per GPU (see
-    :func:`ddp_scaling`): ``speedup`` = throughput on nproc GPUs / throughput on one; ``efficiency`` = speedup /
-    nproc; ``baseline`` the one-GPU step it is against; ``note`` why that one; ``efficiency_range`` the lowest and
-    highest efficiency the two timings' quartiles allow (the baseline's first quartile over DDP's third, its third
-    over DDP's first): how far the spread of the timings leaves the efficiency uncertain."""
+def bus_rate(row: Mapping[str, Any]) -> Rate:
+    """The bus bandwidth of one row of ``scripts/allreduce_bench.py`` as a :class:`utils.bench.Rate`, its band from
+    the quartiles of the row's timing: ready to record (``bus_rate(row).record("allreduce_busbw_gbps")``)."""
+    from utils.memory import format_bytes
 
-    speedup: float
-    efficiency: float
-    baseline: Timing
-    note: str
-    efficiency_range: tuple[float, float]
+    return Rate(f"all-reduce bus bandwidth, {format_bytes(row['bytes'])} messages", row["bus_gbps"], "GB/s",
+                timing_from_dict(row["timing"]))
 
 
-def ddp_scaling(alone: Timing, beside: Timing, ddp: Timing, nproc: int) -> Scaling:
-    """Throughput of DDP over ``nproc`` GPUs against one GPU at the same batch per GPU: nproc × one GPU's step /
-    DDP's step.
+# ── Comparisons of what a launch timed ─────────────────────────────────────────────────────────────────────
 
-    One GPU's step comes from two timings of the plain model (no DDP): ``alone``, in a launch of its own, and
-    ``beside``, on each GPU of DDP's launch, timed in the same interleaved rounds as ``ddp``. When the two agree
-    within the noise (:func:`utils.bench.compare`), ``alone`` is the baseline. When ``beside`` is faster beyond the
-    noise, the separate launch ran under other conditions than DDP's rounds (clocks, the host's load), and
-    ``beside`` — the same work, timed beside DDP — is the baseline. When ``beside`` is slower, the processes slowed
-    each other by sharing the machine, a real cost of running ``nproc`` of them: ``alone`` stays the baseline, and
-    that cost counts against the scaling. ``note`` says which case it was.
+
+def compared(variants: Mapping[str, Mapping[str, Any]], names: Mapping[str, str] | Sequence[str],
+             **options: Any) -> Comparison:
+    """The :class:`utils.bench.Comparison` of variants that one launch timed in the same alternating rounds
+    (:func:`interleaved_bench`, whose ``timing`` has one block per round), as ``utils.bench.compare`` would have
+    timed them in one process: one number and one verdict per variant.
+
+    ``variants``: what the script reported per variant (each with its ``timing``, :func:`timing_to_dict`).
+    ``names``: the variants to compare, as a list of their keys or a mapping from the name to show to the key; the
+    first is the baseline. ``options`` go to :meth:`utils.bench.Comparison.from_rounds` (``title``, ``resolution``,
+    ``work``, ...).
 
     Raises:
-        ValueError: for fewer than 2 processes.
+        KeyError: for a variant the launch did not time. ValueError: as ``from_rounds`` (e.g. unequal rounds).
     """
-    from utils.bench import compare
-
-    if nproc < 2:
-        raise ValueError(f"ddp_scaling(): scaling needs at least 2 processes, got {nproc}")
-    against = compare(alone, beside)
-    if against.outcome == "faster":
-        baseline = beside
-        note = (f"the one-GPU launch ran {against.speedup:.2f}× slower than the same work timed beside DDP: "
-                "efficiency against the interleaved baseline")
-    elif against.outcome == "slower":
-        baseline = alone
-        note = (f"the plain model ran {1 / against.speedup:.2f}× slower on {nproc} GPUs at once than alone: sharing "
-                "the machine costs that, and it counts against the scaling")
-    else:
-        baseline = alone
-        note = "the plain model alone and beside DDP agree within the noise: efficiency against the one-GPU launch"
-    speedup = nproc * baseline.median_s / ddp.median_s
-    (b1, b3), (d1, d3) = baseline.quartiles_s, ddp.quartiles_s
-    return Scaling(speedup, speedup / nproc, baseline, note, (b1 / d3, b3 / d1))
+    names = dict(names) if isinstance(names, Mapping) else {key: key for key in names}
+    missing = [key for key in names.values() if key not in variants]
+    if missing:
+        raise KeyError(f"compared(): the launch timed no {missing}; it timed {list(variants)}")
+    first = variants[next(iter(names.values()))]["timing"]
+    return Comparison.from_rounds({shown: variants[key]["timing"]["block_times_s"] for shown, key in names.items()},
+                                  device=first["device"], **options)
 
 
-def efficiency_difference(a: Scaling, b: Scaling, *, min_points: float | None = None) -> tuple[str, str]:
-    """Whether ``a`` scaled better ("higher") or worse ("lower") than ``b`` beyond the noise, or neither ("same"),
-    and why not, for "same": only when their :attr:`Scaling.efficiency_range` do not overlap *and* the efficiencies
-    differ by at least ``min_points`` (a fraction; default :data:`utils.bench.MIN_EFFECT`, 5 points) is the
-    difference real — the rule :func:`utils.bench.compare` applies to two timings."""
-    from utils.bench import MIN_EFFECT
+def scaling(variants: Mapping[str, Mapping[str, Any]], *, at: str = "", unit: str = "GPU",
+            **options: Any) -> Comparison:
+    """Data-parallel throughput against one GPU (``unit``: what to call it, e.g. "process" on a CPU) at the same batch
+    per GPU, from four variants of
+    ``scripts/ddp_train.py`` timed in the same rounds (``at``: their batch suffix, e.g. ``"@32"``): the plain model
+    on one GPU (the baseline; the other ranks idle), the plain model on all GPUs at once without communication, DDP
+    on one GPU (a process group of its own) and DDP on all of them.
 
-    min_points = MIN_EFFECT if min_points is None else min_points
-    (a_low, a_high), (b_low, b_high) = a.efficiency_range, b.efficiency_range
-    if a_high < b_low or b_high < a_low:
-        if abs(a.efficiency - b.efficiency) >= min_points:
-            return ("higher" if a.efficiency > b.efficiency else "lower"), ""
-        return "same", f"their ranges are apart, but the efficiencies differ by under {min_points * 100:.0f} points"
-    return "same", "their ranges overlap"
+    Each variant's time is put per batch of one GPU — its step divided by the GPUs that share the work — with
+    tokens/s as its rate, so that every speed-up is a ratio of throughputs. DDP on n GPUs against one GPU is the
+    scaling (speed-up / n is the scaling efficiency). The plain model on all GPUs at once shows what merely sharing
+    the machine costs (n× would be nothing); DDP on one GPU what DDP's own work costs (its hooks, the copies into
+    its buckets, an all-reduce over one rank).
+
+    Raises:
+        KeyError: for a variant the launch did not time. ValueError: where the variants ran on other numbers of
+            ranks than these four need.
+    """
+    keys = [f"plain{at}:1", f"plain{at}", f"ddp{at}:1", f"ddp{at}"]
+    missing = [key for key in keys if key not in variants]
+    if missing:
+        raise KeyError(f"scaling(): the launch timed no {missing}; it timed {list(variants)}")
+    ranks = {key: variants[key]["ranks"] for key in keys}
+    n = ranks[f"ddp{at}"]
+    if n < 2 or list(ranks.values()) != [1, n, 1, n]:
+        raise ValueError(f"scaling(): need plain and DDP on one rank and on n >= 2 ranks, got {ranks}")
+    units = unit + ("es" if unit.endswith("s") else "s")
+    shown = dict(zip([f"plain, 1 {unit}", f"plain, {n} {units} at once (no communication)", f"DDP, 1 {unit}",
+                      f"DDP, {n} {units}"], keys, strict=True))
+    per_batch = {name: [t / variants[key]["ranks"] for t in variants[key]["timing"]["block_times_s"]]
+                 for name, key in shown.items()}
+    one = variants[f"plain{at}:1"]
+    return Comparison.from_rounds(per_batch, work=Work(one["tokens_per_rank"], "tokens"),
+                                  device=one["timing"]["device"], **options)
+
+
+def efficiency_difference(larger: Comparison, smaller: Comparison, *,
+                          names: tuple[str, str] = ("at the larger batch", "at the smaller batch")) -> Verdict:
+    """Whether DDP scaled better at one batch per GPU than at another, from two :func:`scaling` comparisons of one
+    launch (the same rounds): round by round, the speed-up of its last variant over one GPU at the larger batch
+    divided by that at the smaller — the ratio of the two scaling efficiencies — as a :class:`utils.bench.Verdict`
+    named ``names``: "faster", the larger batch scaled better; "slower", the smaller one did; "same", neither by more
+    than the resolution; else "inconclusive".
+
+    Raises:
+        ValueError: for comparisons of different numbers of rounds.
+    """
+    a, b = larger.ratios(larger.variants[-1]), smaller.ratios(smaller.variants[-1])
+    if len(a) != len(b):
+        raise ValueError(f"efficiency_difference(): the comparisons must share their rounds, got {len(a)} and {len(b)}")
+    return verdict_from_ratios(*names, [x / y for x, y in zip(a, b, strict=True)], resolution=larger.resolution)
+
+
+def parts_of(variants: Mapping[str, Any], rows: Sequence[dict[str, Any]] | None = None, *,
+             on_gpu: bool) -> dict[str, StepParts]:
+    """:func:`step_parts` of every variant a script profiled (its ``profile`` not None), against its timed step. With
+    the all-reduce benchmark's ``rows``, a variant's exposed communication is also put against what its
+    ``allreduce_bytes`` need at the bandwidth measured (:func:`allreduce_time_s`)."""
+    out = {}
+    for key, entry in variants.items():
+        if not isinstance(entry, Mapping) or not entry.get("profile"):
+            continue
+        profile, transfer_s = entry["profile"], None
+        if rows and entry.get("allreduce_bytes"):
+            transfer_s = allreduce_time_s(rows, entry["allreduce_bytes"], profile["comm_calls_per_step"] or 1)[0]
+        out[key] = step_parts(profile, entry["timing"]["median_s"], on_gpu=on_gpu, transfer_s=transfer_s)
+    return out
+
+
+def step_verdict(verdict: Verdict, base: StepParts | None = None, other: StepParts | None = None, *,
+                 acts_on: tuple[str, float] | None = None) -> str:
+    """``verdict`` — a variant's step against the baseline's (:func:`compared`) — with the reason measured for the
+    outcome it has (``Verdict.explain``), so that the reason printed always matches the result:
+
+    * faster or slower: what moved in the step, part by part (:func:`step_difference` of the profiles' splits
+      ``base`` and ``other``; left out where the two timed steps moved the other way than the paired rounds say);
+    * same: where ``acts_on`` — what the variant can change and its seconds per step, e.g. ``("the exposed
+      communication", 0.4e-3)`` — is within the resolution of the baseline's step, that bound (an effect that small
+      cannot show); otherwise the parts' changes, with no cause named;
+    * inconclusive: the bound, as what was at stake, and no cause.
+
+    Without splits (steps not profiled) only the bound is given; without either, the verdict alone.
+    """
+    bound, small = None, False
+    if acts_on is not None and base is not None:
+        what, seconds = acts_on[0], max(acts_on[1], 0.0)
+        share = seconds / base.step_s
+        bound = f"it acts on {what}: {fmt(seconds)} per step, {share:.0%} of the step"
+        small = share <= verdict.resolution
+    moved = quiet = None
+    if base is not None and other is not None:
+        quiet = step_difference(base, other, within_noise=True)
+        if (other.step_s < base.step_s) == (verdict.speedup > 1):
+            moved = step_difference(base, other)
+    return verdict.explain(faster=moved, slower=moved, same=bound if small else quiet, inconclusive=bound)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
