@@ -78,3 +78,28 @@ def test_quiesce_shuts_the_compile_workers_down_and_compiled_code_keeps_working(
     assert compile_cache.graph_counts() == before, "the compiled function ran without compiling again"
     assert cache.counts().compiled >= 1
     compile_cache.quiesce()  # twice in a row: nothing left to shut down, no error
+
+
+def test_keep_compiled_compiles_cold_and_keeps_what_was_compiled_before():
+    """Variants compiled one after another, each cold, stay compiled for a comparison timed after them all."""
+
+    def first(x):
+        return torch.tanh(x) + 1
+
+    def second(x):
+        return torch.tanh(x) * 3
+
+    x = torch.randn(16)
+    with compile_cache.cold():
+        compiled_first = torch.compile(first)
+        compiled_first(x)
+    with compile_cache.cold(keep_compiled=True) as cache:
+        torch.compile(second)(x)
+        assert cache.counts() == compile_cache.GraphCounts(1, 0), "the new function compiled from nothing"
+        before = compile_cache.graph_counts()
+        torch.testing.assert_close(compiled_first(x), first(x))
+        assert compile_cache.graph_counts() == before, "the function compiled before the block did not compile again"
+    with compile_cache.cold():
+        before = compile_cache.graph_counts()
+        compiled_first(x)
+        assert (compile_cache.graph_counts() - before).compiled == 1, "a default block forgets earlier compiles"

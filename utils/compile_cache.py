@@ -18,6 +18,10 @@ pays. :func:`cold` gives a block in which every compile starts from nothing::
 
 :func:`graph_counts` reads the FX graph cache's counters at any time, to tell a compile that compiled from one
 that loaded a cached graph.
+
+To time several compiled variants together (``utils.bench.compare``) after compiling each one cold, compile them in
+``cold(keep_compiled=True)`` blocks: the default block forgets every earlier compile (``torch.compiler.reset()``,
+which also drops CUDA graphs), so the variants compiled before it would compile again when called.
 """
 
 from __future__ import annotations
@@ -112,7 +116,8 @@ class ColdCache:
 
 
 @contextlib.contextmanager
-def cold(*, keep: bool = False, parent: str | Path | None = None) -> Iterator[ColdCache]:
+def cold(*, keep: bool = False, keep_compiled: bool = False,
+         parent: str | Path | None = None) -> Iterator[ColdCache]:
     """A block in which every compile starts cold: in-memory caches cleared (Dynamo and Inductor), and both on-disk
     caches (``TORCHINDUCTOR_CACHE_DIR`` and ``TRITON_CACHE_DIR``) pointed at a new, empty directory.
 
@@ -126,6 +131,12 @@ def cold(*, keep: bool = False, parent: str | Path | None = None) -> Iterator[Co
 
     Args:
         keep: leave the directory on disk (its path is ``.directory``), e.g. to read the generated code later.
+        keep_compiled: leave Dynamo's compiled frames (no ``torch.compiler.reset()``; Inductor's in-memory caches
+            are still cleared), so that functions compiled before the block keep running without compiling again.
+            A new compile inside still starts from nothing, unless Dynamo finds an earlier one of the same code
+            whose guards pass (same backend and mode, same shapes): then nothing compiles, which ``counts()``
+            shows. Dynamo also remembers the sizes a function was compiled at: compiling it at new sizes may mark
+            them dynamic (``torch._dynamo.config.automatic_dynamic_shapes``).
         parent: where to create the directory (default: the system's temporary directory).
 
     Raises:
@@ -135,7 +146,7 @@ def cold(*, keep: bool = False, parent: str | Path | None = None) -> Iterator[Co
         raise FileNotFoundError(f"cold(): parent directory {parent} does not exist")
     directory = Path(tempfile.mkdtemp(prefix="cold_compile_", dir=parent))
     saved = {name: os.environ.get(name) for name in CACHE_VARIABLES}
-    clear_in_memory_caches()
+    clear_in_memory_caches(dynamo=not keep_compiled)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(directory)
     os.environ["TRITON_CACHE_DIR"] = str(directory / "triton")
     try:
