@@ -8,7 +8,7 @@ import signal
 import pytest
 import torch
 
-from utils import distributed, gpt2, isolate
+from utils import bench, distributed, gpt2, isolate
 
 transformers = pytest.importorskip("transformers", reason="the reference implementation (requirements.txt has it)")
 
@@ -79,15 +79,30 @@ def test_only_a_segfault_in_aotinductors_load_or_run_counts_as_its_known_crash()
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_hf_generate_script_checks_and_times_both_caches(checkpoint, device):
+def test_hf_generate_script_checks_both_caches_and_ours_and_times_them_in_alternating_rounds(checkpoint, device):
     run = isolate.run_script("hf_generate.py", ["--checkpoint", checkpoint[0], "--device", device, "--new-tokens", 8,
-                                                "--dtype", "float32", "--min-run-s", 0.05], timeout_s=600)
+                                                "--dtype", "float32", "--min-run-s", 0.05, "--rounds", 4,
+                                                "--ours", "graph", "--ours-label", "ours"], timeout_s=600)
     assert run.ok, f"{run.failure}\n{run.tail(30)}"
     variants = run.result["variants"]
-    assert list(variants) == ["HF generate, dynamic cache", "HF generate, static cache"]
+    assert list(variants) == ["ours", "HF generate, dynamic cache", "HF generate, static cache"]
+    rounds = {}
     for label, row in variants.items():
         assert "error" not in row, f"{label}: {row.get('error')}"
         assert row["greedy"], f"{label}: not the greedy tokens"
         assert row["graphs_compiled"] >= 0 and row["graphs_loaded"] >= 0, f"{label}: Inductor's graph counts"
         timing = distributed.timing_from_dict(row["timing"])
         assert timing.label == label and timing.median_s > 0 and timing.device.startswith(device)
+        rounds[label] = timing.block_times_s
+    assert {len(times) for times in rounds.values()} == {4}, "one time per alternating round and variant"
+    assert bench.Comparison.from_rounds(rounds).verdict("ours").rounds == 4
+
+
+def test_hf_generate_script_without_two_passing_variants_times_nothing(checkpoint, monkeypatch):
+    """A variant that fails its first call is reported and left out; with fewer than two left, nothing is timed."""
+    run = isolate.run_script("hf_generate.py", ["--checkpoint", checkpoint[0], "--device", "cpu", "--new-tokens", 4,
+                                                "--dtype", "float32", "--ours", "triton"], timeout_s=600)
+    assert run.ok, f"{run.failure}\n{run.tail(30)}"
+    ours = run.result["variants"]["ours, triton"]
+    assert "error" in ours and "timing" not in ours, ours  # Triton does not run on a CPU outside its interpreter
+    assert all("timing" in row for label, row in run.result["variants"].items() if label != "ours, triton")

@@ -30,7 +30,7 @@ def max_tokens_per_s(answer, *, model=None, bandwidth_gbps: float | None = None)
         params = sum(p.numel() for p in model.parameters())
         size = next(model.parameters()).element_size()
         here = (f" Here: {answer(params, size, bandwidth_gbps):,.0f} tokens/s for this model in "
-                f"{next(model.parameters()).dtype} — the ceiling section 3 compared every variant with.")
+                f"{next(model.parameters()).dtype} — the yardstick section 3 put every variant against.")
     return "bandwidth over the bytes a step must read." + here
 
 
