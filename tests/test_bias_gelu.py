@@ -162,6 +162,19 @@ def test_tolerance_is_stated_per_dtype():
     assert bg.tolerance(torch.bfloat16)["rtol"] == torch.finfo(torch.bfloat16).eps
     with pytest.raises(ValueError):
         bg.tolerance(torch.float64)
+    with pytest.raises(ValueError, match="roundings"):
+        bg.tolerance(torch.float16, roundings=3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_eager_in_16_bits_needs_the_tolerance_of_two_roundings(dtype):
+    """Eager rounds x + bias before gelu: one ulp of rtol is not enough in the negative tail, eps / 8 of atol is."""
+    z = torch.linspace(-12, 12, 20_001).to(dtype)[:, None]
+    bias = torch.linspace(-4, 4, 81).to(dtype)
+    eager, ref = bg.reference(z, bias).float(), bg.reference(z.float(), bias.float())
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(eager, ref, **bg.tolerance(dtype))
+    torch.testing.assert_close(eager, ref, **bg.tolerance(dtype, roundings=2))
 
 
 def test_reference_exact_keeps_the_negative_tail():

@@ -22,9 +22,14 @@ def gpu_profile(wall_us, kernels, *, on_gpu=True):
                                on_gpu=on_gpu)
 
 
-def timing(label, median, spread=0.01, blocks=7):
-    times = tuple(median * (1 + spread * (i - blocks // 2) / blocks) for i in range(blocks))
-    return bench._timing_from(label, times, 10, torch.device("cpu"))
+def comparison(speedups, names=("base", "tip")):
+    """A comparison of two variants from paired rounds whose per-round speed-ups are ``speedups`` (a number: 12
+    rounds of it)."""
+    ratios = [speedups] * 12 if isinstance(speedups, (int, float)) else list(speedups)
+    return bench.Comparison.from_rounds({names[0]: [1e-3] * len(ratios), names[1]: [1e-3 / r for r in ratios]})
+
+
+NOISE = [0.5, 0.7, 0.8, 0.9, 1.0, 1.1, 1.2, 1.3, 1.5, 2.0, 0.6, 1.8]  # a band from 0.7× to 1.5×: inconclusive
 
 
 def test_every_bottleneck_names_known_tips():
@@ -134,68 +139,114 @@ def test_diagnose_rejects_what_is_not_a_profile():
         playbook.diagnose({"idle": 0.5})
 
 
-def test_holds_reads_the_promise():
-    fast = bench.compare(timing("base", 3e-3), timing("tip", 1e-3))
-    assert playbook.holds(fast, playbook.TIPS["tf32"]) == "yes"
-    some = bench.compare(timing("base", 2e-3), timing("tip", 1e-3))
-    assert playbook.holds(some, playbook.TIPS["tf32"]).startswith("partly: faster, but under the promised 3×")
-    assert playbook.holds(some, playbook.TIPS["pinned_memory"]) == "yes"  # no number promised
-    # 1.08x against a promised 1.1x, with a band that reaches past it: not shown to fall short.
-    near = bench.compare(timing("base", 1.08e-3, spread=0.05), timing("tip", 1e-3, spread=0.05))
-    assert playbook.speedup_band(near)[1] > 1.1 > near.speedup
-    assert playbook.holds(near, playbook.TIPS["channels_last"]) == "yes: within the noise of the promised 1.1×"
-    same = bench.compare(timing("base", 1e-3), timing("tip", 1.01e-3))
-    assert playbook.holds(same, playbook.TIPS["compile"]) == "no: no difference beyond the noise"
-    slow = bench.compare(timing("base", 1e-3), timing("tip", 2e-3))
-    assert playbook.holds(slow, playbook.TIPS["compile"]) == "no: 2.00× slower"
-    assert playbook.holds(slow, playbook.TIPS["determinism"], expected="slower") == "yes"
+def test_holds_reads_the_promise_with_three_outcomes():
+    tip = playbook.TIPS
+    assert playbook.holds(comparison(3.0).verdict(), tip["tf32"]) == "yes"
+    some = comparison(2.0).verdict()
+    assert playbook.holds(some, tip["tf32"]) == "partly: faster, but under the promised 3×"
+    assert playbook.holds(some, tip["pinned_memory"]) == "yes"  # no number promised
+    # 1.085× against a promised 1.1×, with a band that reaches past it: not shown to fall short
+    near = comparison([1.05, 1.06, 1.07, 1.08, 1.08, 1.08, 1.09, 1.10, 1.11, 1.12, 1.13, 1.14]).verdict()
+    assert near.outcome == "faster" and near.band[1] > 1.1 > near.speedup
+    assert playbook.holds(near, tip["channels_last"]) == "yes: within the band of the promised 1.1×"
+    assert playbook.holds(comparison(0.99).verdict(), tip["compile"]) == "no: no difference > 3%"
+    slow = comparison(0.5).verdict()
+    assert playbook.holds(slow, tip["compile"]) == "no: 2.00× slower"
+    assert playbook.holds(slow, tip["determinism"], expected="slower") == "yes"
+    assert playbook.holds(comparison(0.99).verdict(), tip["to_device"], expected="same") == "yes"
+    # noise is never a "no", whatever was expected
+    noise = comparison(NOISE).verdict()
+    assert noise.outcome == "inconclusive"
+    for expected in ("faster", "slower", "same"):
+        assert playbook.holds(noise, tip["cudnn_benchmark"], expected) == "inconclusive: could not resolve a 3% effect"
 
 
-def test_speedup_band_brackets_the_speedup():
-    c = bench.compare(timing("base", 2e-3, spread=0.1), timing("tip", 1e-3, spread=0.1))
-    low, high = playbook.speedup_band(c)
-    (b1, b3), (c1, c3) = c.baseline.quartiles_s, c.candidate.quartiles_s
-    assert low < c.speedup < high and (low, high) == pytest.approx((b1 / c3, b3 / c1))
+def test_measured_takes_a_verdict_between_two_variants_of_one_comparison(capsys):
+    c = bench.Comparison.from_rounds({"for-loop": [4e-3] * 8, "for-each": [2e-3] * 8, "fused": [1e-3] * 8})
+    findings = playbook.Findings()
+    f = findings.measured("fused_optimizer", c, variant="fused", against="for-each", label="fused vs for-each")
+    assert (f.verdict.variant, f.verdict.baseline, f.verdict.outcome) == ("fused", "for-each", "faster")
+    assert f.verdict.speedup == pytest.approx(2.0) and f.comparison is c
+    assert findings.measured("fused_optimizer", c.verdict("for-each")).comparison is None  # a Verdict alone
+    assert capsys.readouterr().out.startswith("fused vs for-each: 2.00× faster")
 
 
 def test_findings_rows_print_and_chart(capsys):
     findings = playbook.Findings()
-    findings.measured("tf32", bench.compare(timing("fp32", 3e-3), timing("tf32", 1e-3)))
-    assert "as expected" in capsys.readouterr().out
-    findings.measured("compile", bench.compare(timing("eager", 1e-3), timing("compiled", 1e-3)), label="compile · MLP",
-                      why="the GPU was idle")
-    assert "the GPU was idle" in capsys.readouterr().out
+    findings.measured("tf32", comparison(3.0, ("fp32", "tf32")), faster="matmuls dominate", same="not printed")
+    assert capsys.readouterr().out.strip() == "tf32 vs fp32: 3.00× faster (band 3.00–3.00×) — matmuls dominate"
+    findings.measured("compile", comparison(1.0, ("eager", "compiled")), label="compile · MLP",
+                      same="the GPU was idle")
+    assert "no difference larger than 3%" in (out := capsys.readouterr().out) and "the GPU was idle" in out
+    findings.measured("cudnn_benchmark", comparison(NOISE, ("heuristics", "tuned")), same="not printed")
+    assert "could not resolve a 3% effect" in (out := capsys.readouterr().out) and "not printed" not in out
     findings.skipped("cuda_graphs", "no GPU")
     assert "skipped — no GPU" in capsys.readouterr().out
     findings.observed("to_device", ".cuda() fails without a GPU", "yes (behaviour)")
     rows = findings.rows()
-    assert [r["claim"] for r in rows] == ["TF32 matmuls", "compile · MLP", "CUDA graphs", ".to(device) vs .cuda()"]
+    assert [r["claim"] for r in rows] == ["TF32 matmuls", "compile · MLP", "cudnn.benchmark", "CUDA graphs",
+                                          ".to(device) vs .cuda()"]
     assert list(rows[0]) == ["claim", "what the guide promises", "measured here", "holds?"]
-    assert rows[1]["holds?"].startswith("no") and rows[2]["holds?"] == "not measured here"
-    assert len(findings) == 4 and "compile · MLP" in findings and findings["TF32 matmuls"].holds == "yes"
+    assert [r["measured here"] for r in rows[:3]] == ["3.00× faster", "no difference > 3%",
+                                                      "inconclusive: 1.05×, band 0.70–1.50×"]
+    assert [r["holds?"] for r in rows] == ["yes", "no: no difference > 3%",
+                                           "inconclusive: could not resolve a 3% effect", "not measured here",
+                                           "yes (behaviour)"]
+    assert len(findings) == 5 and "compile · MLP" in findings and findings["TF32 matmuls"].holds == "yes"
     fig = findings.chart(title="t")
     assert isinstance(fig, matplotlib.figure.Figure)
-    # a bar within the noise still has a length: its label gives the ratio with the verdict
-    assert [t.get_text() for t in fig.axes[0].texts] == ["3.00× faster", "1.00×, same within the noise"]
+    # a bar without a resolved difference still has a length: its label gives the ratio with the verdict
+    assert [t.get_text() for t in fig.axes[0].texts] == ["3.00× faster", "1.00×, no difference > 3%",
+                                                          "1.05×, inconclusive"]
+
+
+def test_explain_gives_the_reason_for_the_outcome_that_happened(capsys):
+    findings = playbook.Findings()
+    findings.measured("channels_last", comparison(1.0, ("NCHW", "channels_last")), label="layout")
+    findings.measured("determinism", comparison(1.0, ("off", "on")), label="det", expected="slower")
+    findings.measured("sdpa", comparison(NOISE, ("math", "flash")), label="noisy")
+    findings.measured("tf32", comparison(2.5, ("fp32", "tf32")), label="fast")
+    capsys.readouterr()
+    # "unexpected" explains a resolved outcome other than the one the tip promises
+    assert findings.explain("layout", unexpected="the GPU waits for the host").endswith(
+        "— the GPU waits for the host")
+    assert findings.explain("det", unexpected="no kernel was swapped").endswith("— no kernel was swapped")
+    assert "never for noise" not in findings.explain("noisy", unexpected="never for noise")
+    assert findings.explain("fast", unexpected="not printed", faster="matmuls are 90%").endswith("— matmuls are 90%")
+    assert "the GPU waits" in capsys.readouterr().out
+    findings.observed("to_device", "ran", "yes (behaviour)")
+    with pytest.raises(ValueError, match="no timed verdict"):
+        findings.explain(".to(device) vs .cuda()", unexpected="?")
+    with pytest.raises(ValueError, match="outcome"):
+        findings.measured("tf32", comparison(2.0), why="the old keyword")
+
+
+def test_measured_prints_the_unexpected_reason_only_for_an_unexpected_outcome(capsys):
+    findings = playbook.Findings()
+    findings.measured("pinned_memory", comparison(0.99, ("pageable", "pinned")), unexpected="the copy is 1% of it",
+                      faster="not printed")
+    assert capsys.readouterr().out.strip().endswith("— the copy is 1% of it")
+    findings.measured("pinned_memory", comparison(1.5, ("pageable", "pinned")), label="fast", unexpected="hidden")
+    assert "hidden" not in capsys.readouterr().out
+    findings.measured("pinned_memory", comparison(NOISE, ("pageable", "pinned")), label="noise", unexpected="hidden")
+    assert "hidden" not in capsys.readouterr().out
 
 
 def test_chart_ticks_under_one_do_not_crowd_a_wide_axis(capsys):
     """A slower claim beside a 26× one (CUDA graphs): the axis spans two decades, where 0.6× 0.8× 1× ran together."""
     findings = playbook.Findings()
-    findings.measured("compile", bench.compare(timing("eager", 1e-3), timing("compiled", 1.1e-3)))
-    findings.measured("cuda_graphs", bench.compare(timing("eager", 26e-3), timing("graphed", 1e-3)))
+    findings.measured("compile", comparison(1 / 1.1, ("eager", "compiled")))
+    findings.measured("cuda_graphs", comparison(26.0, ("eager", "graphed")))
     labels = [t.get_text() for t in findings.chart(title="t").axes[0].get_xticklabels()]
     assert "0.7×" in labels and "0.6×" not in labels and "0.8×" not in labels and "20×" in labels
 
 
-def test_a_partial_gain_prints_its_measured_reason(capsys):
+def test_a_partial_gain_prints_its_measured_reason_and_the_promise(capsys):
     findings = playbook.Findings()
-    findings.measured("tf32", bench.compare(timing("fp32", 2e-3), timing("tf32", 1e-3)), why="matmuls are 40%")
-    out = capsys.readouterr().out
-    assert out.strip() == "tf32 vs fp32: 2.00× faster, but under the promised 3× — matmuls are 40%"
-    findings.measured("tf32", bench.compare(timing("fp32", 3e-3), timing("tf32", 1e-3)), label="full",
-                      why="not printed")
-    assert "as expected" in capsys.readouterr().out and findings["full"].holds == "yes"
+    findings.measured("tf32", comparison(2.0, ("fp32", "tf32")), faster="matmuls are 40%")
+    assert capsys.readouterr().out.strip() == ("tf32 vs fp32: 2.00× faster (band 2.00–2.00×) — matmuls are 40% "
+                                               "(under the promised 3×)")
+    assert findings["TF32 matmuls"].holds == "partly: faster, but under the promised 3×"
 
 
 def test_profile_change_names_a_host_bound_result():
@@ -223,31 +274,14 @@ def test_profile_change_names_a_host_bound_result():
         playbook.profile_change(nchw, nhwc, kind="gemm")
 
 
-def test_interleaved_alternates_the_variants_and_pools_their_blocks():
-    calls = []
-    variants = {"A": lambda: calls.append("A"), "B": lambda: calls.append("B")}
-    timings = playbook.interleaved(variants, rounds=4, device="cpu", warmup=0, min_run_time=0.004, min_blocks=8)
-    assert list(timings) == ["A", "B"] and all(t.label == name for name, t in timings.items())
-    assert all(len(t.block_times_s) >= 8 for t in timings.values())
-    # rounds A B | B A | A B | B A: consecutive rounds of one variant merge, so 5 uninterrupted runs, not 8
-    runs = [c for i, c in enumerate(calls) if i == 0 or calls[i - 1] != c]
-    assert runs == list("ABABA"), runs
-    assert bench.compare(timings["A"], timings["B"]).speedup > 0
-    with pytest.raises(ValueError, match="two variants"):
-        playbook.interleaved({"A": variants["A"]})
-    with pytest.raises(ValueError, match="rounds"):
-        playbook.interleaved(variants, rounds=1)
-
-
 def test_measured_for_names_where_a_tip_was_timed(capsys):
     findings = playbook.Findings()
-    slow = bench.compare(timing("eager", 1e-3), timing("compiled", 2e-3))
+    slow = comparison(0.5, ("eager", "compiled"))
     findings.measured("compile", slow, label="torch.compile · MLP", workload="MLP")
     findings.skipped("compile", "too slow on a CPU", label="torch.compile · Transformer", workload="Transformer")
-    findings.measured("tf32", bench.compare(timing("fp32", 3e-3), timing("tf32", 1e-3)), label="TF32 · matmul")
+    findings.measured("tf32", comparison(3.0), label="TF32 · matmul")
     findings.measured("cuda_graphs", slow, label="CUDA graphs · partial", workload="MLP")
-    findings.measured("cuda_graphs", bench.compare(timing("eager", 3e-3), timing("graph", 1e-3)),
-                      label="CUDA graphs · whole step", workload="MLP")
+    findings.measured("cuda_graphs", comparison(3.0), label="CUDA graphs · whole step", workload="MLP")
     capsys.readouterr()
     assert findings.measured_for("compile", "MLP") == "torch.compile · MLP: 2.00× slower"  # its own, nothing else
     # elsewhere: under the workload it was timed on, which its label need not name
@@ -289,8 +323,10 @@ def test_findings_bad_input_is_a_clear_error():
     assert findings.chart(title="nothing") is None
     with pytest.raises(KeyError, match="no tip 'turbo'"):
         findings.skipped("turbo", "?")
-    with pytest.raises(TypeError, match="Comparison"):
+    with pytest.raises(TypeError, match="Comparison or Verdict"):
         findings.measured("tf32", 1.5)
+    with pytest.raises(KeyError, match="turbo"):
+        findings.measured("tf32", comparison(2.0), variant="turbo")
 
 
 def test_idle_gaps_between_kernels_with_their_ranges():

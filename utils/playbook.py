@@ -2,11 +2,16 @@
 a promise held where it was measured; and the profiler reading that says which tip to try next.
 
     findings = utils.playbook.Findings()
-    findings.measured("tf32", utils.bench.compare(fp32_timing, tf32_timing), why="...")  # prints the verdict
+    tf32 = utils.bench.compare({"fp32": fp32_step, "tf32": tf32_step})   # alternating rounds, three outcomes
+    findings.measured("tf32", tf32, same="the step is 5% matmul")          # prints the verdict and its reason
+    findings.explain("TF32 matmuls", unexpected=utils.playbook.profile_change(fp32_prof, tf32_prof))  # later
     utils.plot.table(findings.rows())                     # claim · what the guide promises · measured here · holds?
     print(utils.playbook.diagnose(profile))               # "launch-bound: ... → try CUDA graphs (...)"
     print(utils.playbook.profile_change(nchw, nhwc, kind="conv"))  # what changed between two variants' profiles
-    timings = utils.playbook.interleaved({"A": step_a, "B": step_b})  # A and B timed in alternating rounds
+
+A finding's verdict is one of the three outcomes of :mod:`utils.bench` (faster, slower, no difference larger than
+the resolution, inconclusive); whether the promise *holds* follows from it: yes, partly (less than the number
+promised), no (a resolved difference the other way, or none) or inconclusive — never "no" for noise.
 
 :func:`diagnose` reads a :class:`utils.profile.StepProfile`: a step whose GPU waits for the host at least half the
 time is *launch-bound* and gains from fewer launches (CUDA graphs, fused optimizers, compile), and so is, partly, a
@@ -25,15 +30,14 @@ import contextlib
 import math
 import os
 import re
-import statistics
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
-from utils.bench import Comparison, Timing, bench, format_seconds
+from utils.bench import Comparison, Outcome, Verdict, format_seconds, ratio_text
 from utils.profile import Kernel, StepProfile, kind_of
 
 
@@ -256,7 +260,7 @@ def profile_change(before: StepProfile, after: StepProfile, *, kind: str | None 
                                if gpu else f"; the rest of the {unit} {before.idle_fraction:.0%} → "
                                            f"{after.idle_fraction:.0%}")
     shrank = before.busy_s / after.busy_s if after.busy_s > 0 else math.inf
-    if shrank < 1.05:  # under the 5% that counts as a real difference (utils.bench.MIN_EFFECT)
+    if shrank < 1.05:  # under 5%: said as it is, by how much and which way
         change = after.busy_s / before.busy_s - 1 if before.busy_s > 0 else 0.0
         return text + (f": the {work} work did not change" if f"{abs(change):.0%}" == "0%" else
                        f": the {work} work shrank by only {-change:.0%}" if change < 0 else
@@ -273,71 +277,40 @@ def _ratio(x: float) -> str:
     return f"{x:.2f}×"
 
 
-# ── Timing two variants fairly ──────────────────────────────────────────────────────────────────────────────────
-
-
-def interleaved(variants: Mapping[str, Callable[[], object]], *, rounds: int = 4, device=None, warmup: int = 1,
-                min_run_time: float = 0.5, min_blocks: int = 7) -> dict[str, Timing]:
-    """Time several variants of the same work in alternating rounds and pool each one's blocks into a Timing.
-
-    Timing A fully and then B puts anything that drifts in between — the clock under a power cap, the host's other
-    processes, the allocator's state — on one of them alone. Here every round runs each variant once through
-    :func:`utils.bench.bench` (``min_run_time / rounds`` seconds, at least ``ceil(min_blocks / rounds)`` blocks),
-    in an order that reverses every round (A B, B A, A B, ...), so drift falls on both alike; two rounds (A B B A)
-    already cancel a drift that is linear in time. ``warmup`` calls precede each variant's first round only. The
-    result, keyed like ``variants`` and labelled with their keys, has at least ``min_blocks`` blocks per variant and
-    goes into :func:`utils.bench.compare` like any Timing.
-
-    Raises:
-        ValueError: for fewer than two variants, fewer than 2 rounds, or bench()'s own bad arguments.
-    """
-    if len(variants) < 2:
-        raise ValueError(f"interleaved() compares at least two variants, got {len(variants)}")
-    if rounds < 2:
-        raise ValueError(f"interleaved() needs at least 2 rounds to alternate, got {rounds}")
-    blocks: dict[str, list[float]] = {name: [] for name in variants}
-    calls: dict[str, list[int]] = {name: [] for name in variants}
-    devices: dict[str, str] = {}
-    order = list(variants)
-    for r in range(rounds):
-        for name in order if r % 2 == 0 else order[::-1]:
-            t = bench(variants[name], label=name, device=device, warmup=warmup if r == 0 else 0,
-                      min_run_time=min_run_time / rounds, min_blocks=max(1, math.ceil(min_blocks / rounds)))
-            blocks[name].extend(t.block_times_s)
-            calls[name].append(t.calls_per_block)
-            devices[name] = t.device
-    out = {}
-    for name, times in blocks.items():
-        q1, _, q3 = statistics.quantiles(times, n=4, method="inclusive")
-        out[name] = Timing(label=name, median_s=statistics.median(times), iqr_s=q3 - q1, block_times_s=tuple(times),
-                           calls_per_block=min(calls[name]), device=devices[name])
-    return out
-
-
 # ── Whether a promise held: findings, their table and their chart ──────────────────────────────────────────────
 
-
-def speedup_band(comparison: Comparison) -> tuple[float, float]:
-    """The speed-ups the middle halves of the two timings allow: (baseline Q1 / candidate Q3, baseline Q3 /
-    candidate Q1). A band that straddles 1 is a difference within the noise."""
-    (b1, b3), (c1, c3) = comparison.baseline.quartiles_s, comparison.candidate.quartiles_s
-    return b1 / c3, b3 / c1
+Expected = Literal["faster", "slower", "same"]
+_RESOLVED: tuple[Outcome, ...] = ("faster", "slower", "same")
 
 
-def holds(comparison: Comparison, tip: Tip, expected: Literal["faster", "slower", "same"] = "faster") -> str:
-    """'yes', 'partly: …' or 'no: …': whether the measured comparison bears the tip's promise out. A gain under the
-    promised one is 'partly' only when the whole noise band (:func:`speedup_band`) lies under the promise."""
-    outcome, speedup = comparison.outcome, comparison.speedup
+def holds(verdict: Verdict, tip: Tip, expected: Expected = "faster") -> str:
+    """'yes', 'yes: within the band of the promised …', 'partly: …', 'no: …' or 'inconclusive: …': whether the
+    verdict bears the tip's promise out. A gain under the promised one is 'partly' only when the whole band of the
+    speed-up lies under the promise; an inconclusive verdict is never a 'no'."""
+    outcome, speedup = verdict.outcome, verdict.speedup
+    if outcome == "inconclusive":
+        return f"inconclusive: could not resolve a {verdict.resolution:.0%} effect"
     if outcome == expected:
         promised = tip.promised_speedup
         if expected == "faster" and promised and speedup < promised:
-            if speedup_band(comparison)[1] < promised:  # even the band's top end falls short
+            if verdict.band[1] < promised:  # even the band's top end falls short
                 return f"partly: faster, but under the promised {promised:g}×"
-            return f"yes: within the noise of the promised {promised:g}×"
+            return f"yes: within the band of the promised {promised:g}×"
         return "yes"
-    if outcome == "same":
-        return "no: no difference beyond the noise"
-    return f"no: {comparison.short}"
+    return f"no: {verdict.short}"
+
+
+def measured_text(verdict: Verdict) -> str:
+    """What a verdict measured, for a table cell: '1.62× faster', '1.18× slower', 'no difference > 3%', or for an
+    inconclusive one its median and band ('inconclusive: 1.30×, band 0.40–2.20×')."""
+    if verdict.outcome == "inconclusive":
+        return f"inconclusive: {ratio_text(verdict.speedup)}, {verdict.band_text}"
+    return verdict.short
+
+
+def _reasons(expected: Expected, unexpected: str | None, reasons: dict[str, str]) -> dict[str, str]:
+    """Reasons keyed by outcome: ``unexpected`` for every resolved outcome but the expected one, then ``reasons``."""
+    return {o: unexpected for o in _RESOLVED if o != expected and unexpected} | reasons
 
 
 @dataclass(frozen=True)
@@ -348,12 +321,14 @@ class Finding:
     label: str
     measured: str
     holds: str
-    comparison: Comparison | None = None
+    verdict: Verdict | None = None  # None for a claim about behaviour, or one not measured here
     workload: str | None = None  # the model it was measured on ("MLP", ...); None for a benchmark of its own
+    comparison: Comparison | None = None  # the comparison the verdict came from, when given one
+    expected: Expected = "faster"
 
 
 class Findings:
-    """The claims checked in one run, in order: each measured (a comparison), observed (behaviour) or skipped."""
+    """The claims checked in one run, in order: each measured (a verdict), observed (behaviour) or skipped."""
 
     def __init__(self) -> None:
         self._found: dict[str, Finding] = {}
@@ -367,21 +342,51 @@ class Findings:
             raise KeyError(f"no tip {key!r}: choose one of {', '.join(TIPS)}")
         return TIPS[key]
 
-    def measured(self, key: str, comparison: Comparison, *, label: str | None = None, why: str | None = None,
-                 expected: Literal["faster", "slower", "same"] = "faster", workload: str | None = None) -> Finding:
-        """Record a measured claim and print its verdict (with ``why``, the measured reason, when the expectation
-        fails or the gain falls short of the promised one). ``workload`` names the model it was measured on, if any
-        (see :meth:`measured_for`)."""
-        if not isinstance(comparison, Comparison):
-            raise TypeError(f"measured() takes a utils.bench.Comparison, got {type(comparison).__name__}")
+    def measured(self, key: str, result: Comparison | Verdict, *, variant: str | None = None,
+                 against: str | None = None, label: str | None = None, expected: Expected = "faster",
+                 workload: str | None = None, unexpected: str | None = None, **reasons: str) -> Finding:
+        """Record a timed claim and print its verdict, with the measured reason given for the outcome it had.
+
+        ``result`` is a :class:`utils.bench.Comparison` (``variant``: which of its variants, default the last;
+        ``against``: another of its variants to compare with, default its baseline: ``Comparison.verdict``) or a
+        :class:`Verdict`.
+        ``reasons`` are keyed by outcome, as :meth:`utils.bench.Verdict.explain` takes them, so that a printed
+        reason always matches the result; ``unexpected`` is the reason for each resolved outcome other than
+        ``expected``, the outcome the tip promises ("slower" for a cost). ``workload`` names the model it was
+        measured on, if any (see :meth:`measured_for`).
+
+        Raises:
+            TypeError: for a result that is neither a Comparison nor a Verdict.
+            KeyError: for an unknown tip or variant.
+            ValueError: for a reason keyed by anything but an outcome.
+        """
         tip = self._tip(key)
-        verdict = holds(comparison, tip, expected)
-        if verdict.startswith("partly") and why:  # as expected, but less than promised: say why too
-            print(f"{comparison.candidate.label} vs {comparison.baseline.label}: {comparison.verdict}, "
-                  f"{verdict.removeprefix('partly: ').removeprefix('faster, ')} — {why}")
+        if isinstance(result, Comparison):
+            verdict, comparison = result.verdict(variant, against), result
+        elif isinstance(result, Verdict):
+            verdict, comparison = result, None
         else:
-            print(comparison.explain(expected, why=why))
-        return self._add(Finding(tip, label or tip.name, comparison.short, verdict, comparison, workload))
+            raise TypeError(f"measured() takes a utils.bench.Comparison or Verdict, got {type(result).__name__}")
+        held = holds(verdict, tip, expected)
+        line = verdict.explain(**_reasons(expected, unexpected, reasons))
+        print(line + (f" ({held.removeprefix('partly: faster, but ')})" if held.startswith("partly") else ""))
+        return self._add(Finding(tip, label or tip.name, measured_text(verdict), held, verdict, workload, comparison,
+                                 expected))
+
+    def explain(self, label: str, *, unexpected: str | None = None, **reasons: str) -> str:
+        """Print (and return) the verdict of the timed finding ``label`` with the reason for the outcome it had:
+        ``reasons`` keyed by outcome, and ``unexpected`` for each resolved outcome other than the expected one —
+        why a tip did not pay, e.g. read from profiles taken after every timing (:func:`profile_change`).
+
+        Raises:
+            KeyError: for an unknown label; ValueError: for a finding without a verdict.
+        """
+        finding = self[label]
+        if finding.verdict is None:
+            raise ValueError(f"{label!r} has no timed verdict to explain ({finding.holds})")
+        line = finding.verdict.explain(**_reasons(finding.expected, unexpected, reasons))
+        print(line)
+        return line
 
     def observed(self, key: str, measured: str, holds: str, *, label: str | None = None,
                  workload: str | None = None) -> Finding:
@@ -398,13 +403,13 @@ class Findings:
         return finding
 
     def timed_on(self, key: str, workload: str) -> list[Finding]:
-        """The timed findings (those with a comparison) of tip ``key`` on ``workload``, in order.
+        """The timed findings (those with a verdict) of tip ``key`` on ``workload``, in order.
 
         Raises:
             KeyError: for an unknown tip.
         """
         self._tip(key)
-        return [f for f in self if f.tip.key == key and f.comparison is not None and f.workload == workload]
+        return [f for f in self if f.tip.key == key and f.verdict is not None and f.workload == workload]
 
     def measured_for(self, key: str, workload: str) -> str:
         """What this run timed of tip ``key`` on ``workload``, for a "measured here" column: that workload's own
@@ -420,12 +425,12 @@ class Findings:
         """
         self._tip(key)
         own = [f for f in self if f.tip.key == key and f.workload == workload
-               and (f.comparison is not None or not f.holds.startswith("not measured"))]
+               and (f.verdict is not None or not f.holds.startswith("not measured"))]
         if own:
             return "; ".join(f"{f.label}: {f.measured}" for f in own)
         elsewhere: dict[str | None, list[Finding]] = {}
         for f in self:
-            if f.tip.key == key and f.comparison is not None:
+            if f.tip.key == key and f.verdict is not None:
                 elsewhere.setdefault(f.workload, []).append(f)
         if not elsewhere:
             return "not timed in this run"
@@ -453,27 +458,28 @@ class Findings:
                  "holds?": f.holds} for f in self]
 
     def chart(self, *, title: str):
-        """Speed-up per measured claim on a log axis, each with its noise band (:func:`speedup_band`) and the line
-        of no change; bars coloured by verdict, each labelled with it (a bar within the noise with its ratio too:
-        "1.17×, same within the noise"). Returns a closed matplotlib Figure (None when nothing was timed)."""
-        timed = [f for f in self if f.comparison is not None]
+        """Speed-up per timed claim on a log axis, each with its band (the 95% interval of the median per-round
+        speed-up) and the line of no change; bars coloured by outcome, each labelled with its verdict (a bar with
+        no resolved difference with its ratio too: "1.17×, inconclusive"). Returns a closed matplotlib Figure
+        (None when nothing was timed)."""
+        timed = [f for f in self if f.verdict is not None]
         if not timed:
             return None
         import matplotlib.pyplot as plt
         import matplotlib.ticker
 
-        speedups = [f.comparison.speedup for f in timed]
-        bands = [speedup_band(f.comparison) for f in timed]
-        colours = {"faster": "#4C72B0", "slower": "#C44E52", "same": "#999999"}
+        speedups = [f.verdict.speedup for f in timed]
+        bands = [f.verdict.band for f in timed]
+        colours = {"faster": "#4C72B0", "slower": "#C44E52", "same": "#999999", "inconclusive": "#DDBB77"}
         fig, ax = plt.subplots(figsize=(8.0, 0.45 * len(timed) + 1.8))
         rows = range(len(timed))
-        ax.barh(rows, [s - 1 for s in speedups], left=1.0, color=[colours[f.comparison.outcome] for f in timed])
+        ax.barh(rows, [s - 1 for s in speedups], left=1.0, color=[colours[f.verdict.outcome] for f in timed])
         low = [s - lo for s, (lo, _) in zip(speedups, bands, strict=True)]
         high = [hi - s for s, (_, hi) in zip(speedups, bands, strict=True)]
         ax.errorbar(speedups, list(rows), xerr=[low, high], fmt="none", ecolor="black", capsize=3, linewidth=1)
-        for i, f in enumerate(timed):  # a grey bar still has a length: its ratio is named beside "same (noise)"
-            c = f.comparison
-            text = c.short if c.outcome != "same" else f"{_ratio(c.speedup)}, same within the noise"
+        for i, f in enumerate(timed):  # a bar without a resolved difference still has a length: its ratio is named
+            v = f.verdict
+            text = v.short if v.outcome in ("faster", "slower") else f"{ratio_text(v.speedup)}, {v.short}"
             ax.annotate(text, (max(1.0, bands[i][1]), i), xytext=(4, 0), textcoords="offset points", va="center",
                         fontsize=8)
         ax.axvline(1.0, color="black", linewidth=0.8)
@@ -490,7 +496,8 @@ class Findings:
         ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set_yticks(list(rows), [f.label for f in timed])
         ax.invert_yaxis()
-        ax.set_xlabel("speed-up over the baseline (log scale); whiskers: the noise band from the quartiles")
+        ax.set_xlabel("speed-up over the baseline (log scale); whiskers: 95% interval of the median per-round "
+                      "speed-up")
         ax.set_title(title)
         ax.grid(axis="x", alpha=0.3, which="both")
         fig.tight_layout()
