@@ -73,6 +73,17 @@ def by_device(device: torch.device | str, *, cpu: T, cuda: T) -> T:
     return cuda if torch.device(device).type == "cuda" else cpu
 
 
+def usable_cpus() -> int:
+    """CPUs this process may run on: its affinity (``taskset``, a container's cpuset), not the machine's count.
+
+    ``os.cpu_count()`` counts the machine's CPUs; a DataLoader that starts that many workers on 2 allowed cores
+    oversubscribes them (and PyTorch warns that it "will create 8 worker processes ... suggested max ... is 2").
+    """
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def seed_everything(seed: int) -> None:
     """Seed Python's, NumPy's (if installed) and PyTorch's generators (CPU and every GPU)."""
     random.seed(seed)
@@ -465,7 +476,7 @@ def report(device: torch.device | str | None = None) -> str:
         )
     else:
         lines.append(
-            f"Device cpu: {caps.name} · {os.cpu_count()} cores, torch uses {torch.get_num_threads()} threads · "
+            f"Device cpu: {caps.name} · {usable_cpus()} cores, torch uses {torch.get_num_threads()} threads · "
             f"{format_bytes(caps.total_memory_bytes or 0)} RAM"
         )
         lines.append(f"No CUDA GPU: {why_no_cuda()}. GPU-only cells run their CPU counterpart or say why not.")

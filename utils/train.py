@@ -180,21 +180,22 @@ class GraphedStep:
     * gradients are allocated inside the graph (``zero_grad(set_to_none=True)`` before capture), so each replay
       writes them afresh.
 
-    The optimizer must be graph-safe: ``capturable=True`` (Adam, AdamW, ... keep their step count on the GPU)
-    or ``fused=True``. Dropout works (PyTorch's CUDA RNG is graph-aware). Inputs are copied into the graph's
-    static buffers on every call: pass tensors already on the GPU.
+    The optimizer must be graph-safe: ``capturable=True`` (Adam, AdamW, ... keep their step count on the GPU and
+    never read it on the host), with or without ``fused=True``; ``fused=True`` alone is not enough (``step()``
+    refuses to be captured: "param_groups' capturable is False"). Dropout works (PyTorch's CUDA RNG is
+    graph-aware). Inputs are copied into the graph's static buffers on every call: pass tensors already on the GPU.
 
     Raises:
         RuntimeError: on a model that is not on a CUDA device.
-        ValueError: for an optimizer that is not graph-safe.
+        ValueError: for an optimizer that is not graph-safe (without ``capturable=True``).
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn, *, warmup: int = 3,
                  amp_dtype: torch.dtype | None = None) -> None:
-        unsafe = [i for i, g in enumerate(optimizer.param_groups) if not (g.get("capturable") or g.get("fused"))]
+        unsafe = [i for i, g in enumerate(optimizer.param_groups) if not g.get("capturable")]
         if unsafe:
             raise ValueError(f"the optimizer is not graph-safe (param groups {unsafe}): create it with "
-                             "capturable=True or fused=True")
+                             "capturable=True (fused=True alone is not captured)")
         self.device = next(model.parameters()).device
         if self.device.type != "cuda":
             raise RuntimeError(f"CUDA graphs need a CUDA device; the model is on {self.device}")
