@@ -196,6 +196,7 @@ def test_a_slower_variant_is_resolved_as_slower():
     v = bench.compare({"fast": clock.work("a", 0.001), "slow": clock.work("b", 0.0033)}, clock=clock,
                       device="cpu").verdict()
     assert v.outcome == "slower" and v.short == "3.30× slower" and v.speedup == pytest.approx(1 / 3.3)
+    assert v.text == "3.30× slower (band 3.30–3.30×)"  # the band in the headline's orientation
 
 
 def test_rounds_alternate_and_reverse_order():

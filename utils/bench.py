@@ -302,7 +302,11 @@ class Verdict:
 
     @property
     def band_text(self) -> str:
+        """The band in the orientation of the headline: as speed-ups, or for a slower variant as slow-downs
+        ("2.62× slower (band 2.33–2.94×)")."""
         lo, hi = self.band
+        if self.outcome == "slower":
+            lo, hi = 1 / hi, 1 / lo
         return f"band {ratio_text(lo).rstrip('×')}–{ratio_text(hi)}"
 
     @property
