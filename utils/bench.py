@@ -258,6 +258,11 @@ def percent_of(value: float, peak: float) -> float:
     return 100.0 * value / peak
 
 
+def percent_text(pct: float) -> str:
+    """A percentage with the digits that matter: '88%', '4.7%', '0.14%'."""
+    return f"{pct:.0f}%" if pct >= 10 else f"{pct:.2g}%"
+
+
 def ratio_text(x: float) -> str:
     """A speed-up or ratio: '1.29×', '0.85×', '0.0012×', '11,401×'."""
     if x >= 1000:
@@ -564,7 +569,7 @@ class Comparison:
                 rate = self.rate(name)
                 row[self.work.rate_unit] = _number(rate)
                 if self.limit is not None:
-                    row[f"% of {self.limit_name}"] = f"{percent_of(rate, self.limit):.0f}%"
+                    row[f"% of {self.limit_name}"] = percent_text(percent_of(rate, self.limit))
             if name == self.baseline:
                 row["speed-up"], row["verdict"] = "1.00×", "baseline"
             else:
@@ -586,7 +591,8 @@ class Comparison:
 
     def plot(self, *, title: str | None = None, log: bool | None = None):
         """Horizontal bars of the median time per call (or the rate, when work was given), each with its band;
-        the limit as a line. A log axis is chosen when the bars span more than 20× (``log`` forces it)."""
+        the limit as a line. A log axis is chosen when the bars span more than 20× (``log`` forces it); the title
+        then says so."""
         from utils.plot import bar
 
         names = self.variants
@@ -600,10 +606,11 @@ class Comparison:
             label = "time per call (ms), median and band"
         errors = [(max(v - lo, 0.0), max(hi - v, 0.0)) for v, (lo, hi) in zip(values, bands, strict=True)]
         log = log if log is not None else max(values) > 20 * min(values)
+        title = title or self.title or "Variants timed in alternating rounds"
         return bar(names, values, errors=errors, horizontal=True, ylabel=label, log=log,
                    reference=self.limit if self.work is not None else None,
                    reference_label=self.limit_name if self.limit is not None else None,
-                   title=title or self.title or "Variants timed in alternating rounds")
+                   title=title + (" (log scale)" if log and "log" not in title else ""))
 
     def __str__(self) -> str:
         from utils.plot import format_table

@@ -57,7 +57,9 @@ class Result:
         if self.band is not None:
             text += f" (band {self.band[0]:.4g}–{self.band[1]:.4g})"
         if self.limit is not None:
-            text += f", {self.percent_of_limit:.0f}% of {self.limit_name} ({self.limit:.4g})"
+            pct = self.percent_of_limit
+            text += f", {pct:.0f}%" if pct >= 10 else f", {pct:.2g}%"
+            text += f" of {self.limit_name} ({self.limit:.4g})"
         return text
 
 
