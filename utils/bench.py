@@ -312,7 +312,11 @@ class Verdict:
         lo, hi = self.band
         if self.outcome == "slower":
             lo, hi = 1 / hi, 1 / lo
-        return f"band {ratio_text(lo).rstrip('×')}–{ratio_text(hi)}"
+
+        def end(x: float) -> str:  # three decimals near 1, so that a band that excludes 1 never reads "1.00"
+            return f"{x:.3f}×" if 0.99 <= x <= 1.01 and x != 1 else ratio_text(x)
+
+        return f"band {end(lo).rstrip('×')}–{end(hi)}"
 
     @property
     def short(self) -> str:
