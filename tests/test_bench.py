@@ -429,11 +429,11 @@ def test_burst_size_shrinks_until_one_product_fits_the_budget():
 # ── Burst against sustained: two rates measured under different conditions on purpose ───────────────────────
 
 
-def _rate(value, *, mhz=None, n=8192, spread=0.01, reasons=0, power=None):
+def _rate(value, *, mhz=None, n=8192, spread=0.01, reasons=0, power=None, samples=12):
     median = 1.0 / value
     blocks = (median * (1 - spread), median, median * (1 + spread))
     timing = bench.Timing("matmul", median, 2 * spread * median, blocks, 1, "cuda:0")
-    samples = [GpuSample(0.01 * i, mhz, power, reasons) for i in range(4)] if mhz else []
+    samples = [GpuSample(0.004 * i, mhz, power, reasons) for i in range(samples)] if mhz else []
     conditions = GpuConditions("cuda:0", "NVML" if mhz else None, None if mhz else "a CPU has no GPU clock",
                                    1980.0 if mhz else None, 700.0 if mhz else None, samples)
     return bench.Rate("matmul", value, "TFLOP/s", timing, conditions, {"n": n})
@@ -477,3 +477,8 @@ def test_plot_clock_samples(capsys):
 def test_burst_vs_sustained_label():
     text = bench.burst_vs_sustained(_rate(100.0), _rate(99.5), label="bf16 matmul")
     assert text.startswith("bf16 matmul: sustained 99.5 TFLOP/s is 100% of the burst's 100")
+
+
+def test_burst_vs_sustained_needs_enough_clock_readings():
+    text = bench.burst_vs_sustained(_rate(787.5, mhz=1980, samples=3), _rate(670.8, mhz=1695, reasons=0x4))
+    assert "3 clock readings, too few to tell" in text and "The clock accounts for the drop" not in text

@@ -291,3 +291,26 @@ def test_install_findings_on_a_gpu(monkeypatch):
 
 
 # ── Burst against sustained ─────────────────────────────────────────────────────────────────────────────────
+
+
+def test_instant_power_is_read_where_the_driver_has_it():
+    import types
+
+    class Value:  # NVML's c_nvmlFieldValue_t, as far as the reader looks
+        def __init__(self, ret, milliwatts):
+            self.nvmlReturn, self.valueType = ret, 1
+            self.value = types.SimpleNamespace(uiVal=milliwatts)
+
+    def reader(field_values):
+        r = env._Reader(torch.device("cpu"))
+        r._nvml = types.SimpleNamespace(NVML_FI_DEV_POWER_INSTANT=186, nvmlDeviceGetFieldValues=field_values)
+        return r
+
+    assert reader(lambda h, ids: [Value(0, 612_000)])._instant_power_w() == 612.0
+    unsupported = reader(lambda h, ids: [Value(3, 0)])  # NVML_ERROR_NOT_SUPPORTED: fall back, and stop asking
+    assert unsupported._instant_power_w() is None and unsupported._no_instant_power
+
+    def broken(h, ids):
+        raise RuntimeError("an old driver")
+
+    assert reader(broken)._instant_power_w() is None

@@ -943,6 +943,10 @@ def _rate_band(rate: Rate) -> tuple[float, float]:
     return rate.value * rate.timing.median_s / q3, rate.value * rate.timing.median_s / q1
 
 
+#: Clock readings a burst needs before the clock is put against the drop from burst to sustained.
+MIN_CLOCK_SAMPLES = 8
+
+
 def burst_vs_sustained(burst: Rate, sustained: Rate, *, label: str | None = None, resolution: float = 0.03) -> str:
     """The verdict on a burst and a sustained rate of the same work (:func:`utils.bench.matmul_rate`), printed from
     their numbers: does this GPU hold its rate under sustained work, and does the SM clock explain a drop?
@@ -988,7 +992,11 @@ def burst_vs_sustained(burst: Rate, sustained: Rate, *, label: str | None = None
             watts = f"; board power {power:,.0f} W" + (f" of a {cap:,.0f} W limit" if cap else "")
         lines.append(f"SM clock: {bc:,.0f} MHz in the burst, {sc:,.0f} MHz sustained ({clock_ratio:.0%}), held back "
                      f"by {held}{watts}.")
-        if outcome == "falls" and same_size:
+        few = len(burst.conditions.samples) < MIN_CLOCK_SAMPLES
+        if outcome == "falls" and same_size and few:
+            lines.append(f"The burst gave {len(burst.conditions.samples)} clock readings, too few to tell whether the "
+                         "clock accounts for the drop.")
+        elif outcome == "falls" and same_size:
             if abs(clock_ratio - ratio) < 0.05:
                 lines.append("The clock accounts for the drop: the rate fell as far as the clock did.")
             elif ratio > clock_ratio:
@@ -1085,7 +1093,7 @@ def matmul_rate(
         if kind == "burst":
             n, a, b = _burst_n(operands, n, device, BURST_S / 10) if on_gpu else (n, *operands(n))
             time.sleep(1.0 if on_gpu else 0.0)
-            with gpu_conditions(device) as conditions:
+            with gpu_conditions(device, interval_s=0.004) as conditions:  # about a dozen readings in a 50 ms burst
                 timing = bench(lambda: a @ b, label=f"matmul {name}", device=device, warmup=1, min_blocks=5,
                                min_run_time=BURST_S if on_gpu else 0.1)
         else:

@@ -550,7 +550,8 @@ class GpuConditions:
 
     @property
     def power_w(self) -> float | None:
-        """Median board power over the samples (NVML averages it over a short window of its own)."""
+        """Median board power over the samples (NVML's instant reading where the driver offers it, else its average
+        over about a second)."""
         values = self._values("power_w")
         return statistics.median(values) if values else None
 
@@ -588,6 +589,7 @@ class _Reader:
     """Reads one GPU's clock, power and clock-event reasons through NVML, else nvidia-smi."""
 
     def __init__(self, device: torch.device) -> None:
+        self._no_instant_power = False
         self.device = device
         self.source: str | None = None
         self.unavailable: str | None = None
@@ -662,16 +664,43 @@ class _Reader:
             mask = 0
         return number(clock), number(power), mask
 
+    def _instant_power_w(self) -> float | None:
+        """The board power now, in W, from NVML's instant-power field; None where the driver lacks it.
+
+        ``nvmlDeviceGetPowerUsage`` averages over about a second on recent GPUs (Ampere, Hopper), so a 50 ms burst
+        after a rest would read the rest's power; the instant field reads the burst. Once it fails, it is not asked
+        again, and the readings fall back to the average."""
+        field = getattr(self._nvml, "NVML_FI_DEV_POWER_INSTANT", None)
+        if field is None or self._no_instant_power:
+            return None
+        try:
+            (value,) = self._nvml.nvmlDeviceGetFieldValues(self._handle, [field])
+            if value.nvmlReturn != 0:  # NVML_SUCCESS
+                raise ValueError(f"NVML return {value.nvmlReturn}")
+            milliwatts = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal"}.get(
+                int(value.valueType), "uiVal")
+            watts = float(getattr(value.value, milliwatts)) / 1000
+        except Exception:  # NVMLError, an old driver, an unexpected value type
+            self._no_instant_power = True
+            return None
+        if not watts > 0:
+            self._no_instant_power = True
+            return None
+        return watts
+
     def read(self) -> tuple[float | None, float | None, int] | None:
-        """(SM MHz, W, reason bitmask), or None if nothing could be read."""
+        """(SM MHz, W, reason bitmask), or None if nothing could be read. Power is the instant reading where the
+        driver offers it (:meth:`_instant_power_w`), else NVML's average."""
         if self._nvml is not None:
             nvml, h = self._nvml, self._handle
             clock = power = None
             mask = 0
             with contextlib.suppress(nvml.NVMLError):
                 clock = float(nvml.nvmlDeviceGetClockInfo(h, nvml.NVML_CLOCK_SM))
-            with contextlib.suppress(nvml.NVMLError):
-                power = nvml.nvmlDeviceGetPowerUsage(h) / 1000
+            power = self._instant_power_w()
+            if power is None:
+                with contextlib.suppress(nvml.NVMLError):
+                    power = nvml.nvmlDeviceGetPowerUsage(h) / 1000
             reasons = getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or \
                 nvml.nvmlDeviceGetCurrentClocksThrottleReasons
             with contextlib.suppress(nvml.NVMLError):

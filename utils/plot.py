@@ -204,7 +204,7 @@ def curves(
             axis.yaxis.set_minor_locator(LogLocator(subs=(2.0, 5.0)))
             axis.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: _tick(v)))
     for i, (name, value) in enumerate((hlines or {}).items()):
-        ax.axhline(value, linestyle="--", linewidth=1.1, color=f"C{(n + i) % 10}", label=name)
+        ax.axhline(value, linestyle="--", linewidth=1.1, color=f"C{(n + i) % 10}", label=name, zorder=1)
     for name, value in (vlines or {}).items():
         ax.axvline(value, linestyle=":", linewidth=1.3, color="0.35", label=name)
     if logx:

@@ -235,6 +235,9 @@ class StepProfile:
             if self.idle_fraction >= 0.5:
                 return (f"launch-bound: {where} — the CPU cannot issue work as fast as the GPU does it; fewer, larger "
                         "kernels help (a larger batch, fusion, CUDA graphs), faster kernels do not")
+            if self.idle_fraction >= 0.2 and in_cuda_graphs:
+                return (f"partly host-bound: {where} — its kernels run from CUDA graphs, so the GPU waits for host "
+                        "work around them, not for launches")
             if self.idle_fraction >= 0.2:
                 return f"partly launch-bound: {where}"
         kinds = self.time_by_kind()

@@ -94,7 +94,9 @@ def rate_at_clock(answer, *, burst_tflops: float | None = None, burst_mhz: float
         here = (f" Here the burst's {burst_tflops:,.0f} TFLOP/s at {burst_mhz:,.0f} MHz becomes {at_clock:,.0f} at "
                 f"the sustained clock, {sustained_mhz:,.0f} MHz, and the sustained run measured "
                 f"{sustained_tflops:,.0f}: ")
-        if at_clock >= sustained_tflops:
+        if abs(at_clock - sustained_tflops) <= 0.05 * burst_tflops:  # within 5 points: utils.bench's rule
+            here += "the clock accounts for the drop from burst to sustained, within 5 points of the burst."
+        elif at_clock >= sustained_tflops:
             explained = (burst_tflops - at_clock) / (burst_tflops - sustained_tflops)
             here += f"the clock explains {explained:.0%} of the drop from burst to sustained."
         else:
