@@ -10,7 +10,7 @@ import nbformat
 import pytest
 
 from tools import course, readme_tables, reference_run
-from utils import results
+from utils import env, results
 
 
 def _notebook(*code_cells: str, markdown: str = "# 99 · Test") -> nbformat.NotebookNode:
@@ -111,7 +111,7 @@ def test_reference_run_executes_stamps_and_collects(tmp_path, capsys):
     assert stamp["sources_sha256"] == course.sources_sha256(nb)
     machine, slug = reference_run.machine_stamp(allow_cpu=True)  # "cpu" here; the GPU on a GPU machine
     assert stamp["gpu"] == machine["gpu"] and stamp["gpus"] == min(machine["gpus"], 1)
-    assert stamp["cpus"] == reference_run.usable_cpus() >= 1
+    assert stamp["cpus"] == env.usable_cpus() >= 1
     assert 0 < stamp["wall_s"] < 120
     assert course.has_outputs(nb) and not any("execution" in cell.metadata for cell in nb.cells)
     assert course.cell_source(nb.cells[0]) == f"# 99 · Test\n{course.run_time_line(stamp)}"

@@ -45,7 +45,6 @@ import argparse
 import datetime as dt
 import html as html_lib
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -56,14 +55,11 @@ from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernel
 
 from tools import course, readme_tables
 from tools.parallel_nbmake import ALL_GPUS
+from utils.env import usable_cpus
 from utils.results import MIME_TYPE, write_results_entry
 
 RESULTS_DIR = course.ROOT / "results"
 
-
-def usable_cpus() -> int:
-    """How many CPUs this process may run on (its affinity where the OS tells, else the machine's count)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def machine_stamp(allow_cpu: bool) -> tuple[dict[str, object], str]:
