@@ -43,7 +43,7 @@ def test_title_cell(notebook):
     title = nb.cells[0]
     assert title.cell_type == "markdown", "the first cell is the title cell (markdown)"
     text = course.cell_source(title)
-    number = path.name[:2]
+    number = course.number(path.stem)
     assert re.match(rf"^# {number} · \S", text), f"title must start with '# {number} · Topic'"
     assert course.colab_badge(path) in text, "the title cell needs the Colab badge pointing at this notebook"
     for part in ("What you'll learn", "Runs on", "Run time"):

@@ -482,3 +482,14 @@ def test_settle_progress_bars_leaves_other_widgets_alone():
                                                                          "state": {"value": 3}}
     assert reference_run.settle_progress_bars(nb) == 0
     assert nb.cells[0].outputs[0]["data"]["text/plain"] == "[controls: n = 3]"
+
+
+def test_notebook_numbers_allow_a_split_topic():
+    """A topic too long for one lesson becomes NN_… and NNb_…, read in that order and shown as "NNb"."""
+    from tools import course
+
+    names = ["05_memory.ipynb", "04b_compile_in_depth.ipynb", "04_torch_compile.ipynb"]
+    assert all(course.NOTEBOOK_NAME.match(n) for n in names)
+    assert not course.NOTEBOOK_NAME.match("4_x.ipynb") and not course.NOTEBOOK_NAME.match("04bb_x.ipynb")
+    assert sorted(names) == ["04_torch_compile.ipynb", "04b_compile_in_depth.ipynb", "05_memory.ipynb"]
+    assert [course.number(n.removesuffix(".ipynb")) for n in sorted(names)] == ["04", "04b", "05"]

@@ -19,7 +19,7 @@ import nbformat
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK_DIR = ROOT / "notebooks"
-NOTEBOOK_NAME = re.compile(r"^(\d\d)_[a-z0-9_]+\.ipynb$")
+NOTEBOOK_NAME = re.compile(r"^(\d\d[a-z]?)_[a-z0-9_]+\.ipynb$")  # "04b_…": the second notebook of a split topic
 
 
 def repo_url() -> str:
@@ -39,6 +39,11 @@ def repo_slug() -> str:
 def notebooks() -> list[Path]:
     """The course's notebooks in reading order (``notebooks/NN_topic.ipynb``)."""
     return sorted(p for p in NOTEBOOK_DIR.glob("*.ipynb") if NOTEBOOK_NAME.match(p.name))
+
+
+def number(stem: str) -> str:
+    """A notebook's number as the course shows it: "04" for ``04_torch_compile``, "04b" for ``04b_…``."""
+    return stem.split("_", 1)[0]
 
 
 def colab_url(notebook: Path) -> str:

@@ -98,7 +98,7 @@ def over_budget(row: dict[str, float | None]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     paths = [Path(p) for p in (argv or [])] or course.notebooks()
-    rows = {p.name[:2]: measure(p) for p in paths}
+    rows = {p.name.split('_', 1)[0]: measure(p) for p in paths}
     keys = list(BUDGET)
     print(f"{'':16}" + "".join(f"{k:>8}" for k in rows) + f"{'budget':>10}")
     for k in keys:

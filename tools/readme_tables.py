@@ -193,7 +193,7 @@ def headline(stem: str, figures: dict[str, dict[str, object]] | None, *, gpus: i
 def notebook_title(path: Path) -> str:
     """The topic from the title cell's first line, '# NN · Topic'."""
     first = course.cell_source(nbformat.read(path, as_version=4).cells[0]).splitlines()[0]
-    match = re.match(r"^#\s*\d\d\s*·\s*(.+)$", first)
+    match = re.match(r"^#\s*\d\d[a-z]?\s*·\s*(.+)$", first)
     return match.group(1).strip() if match else first.lstrip("# ").strip()
 
 
@@ -238,7 +238,7 @@ def notebooks_table(results: dict, sources: dict[str, str]) -> str:
         rel = path.relative_to(course.ROOT).as_posix()
         cell = result_cell(stem, reference.get(stem), sources.get(stem))
         cells.append(cell)
-        rows.append(f"| {stem[:2]} | [{notebook_title(path)}]({rel}) | {NOTEBOOKS.get(stem, ('?',))[0]} | "
+        rows.append(f"| {course.number(stem)} | [{notebook_title(path)}]({rel}) | {NOTEBOOKS.get(stem, ('?',))[0]} | "
                     f"[![Open In Colab]({course.COLAB_BADGE_IMAGE})]({course.colab_url(path)}) | "
                     f"{cell if cell != NOT_RUN else 'not yet run on the reference GPU'} |")
     return "\n".join(rows) + footnotes(cells)
@@ -310,7 +310,7 @@ def targets_table(results: dict, sources: dict[str, str]) -> str:
                for gpu in gpus]
         cells += row
         where = f" (on the {target.gpu.upper()})" if target.gpu else ""
-        rows.append(f"| {target.notebook[:2]} · {target.text}{where} | " + " | ".join(row) + " |")
+        rows.append(f"| {course.number(target.notebook)} · {target.text}{where} | " + " | ".join(row) + " |")
     return "\n".join(rows) + footnotes(cells)
 
 
@@ -326,7 +326,7 @@ def results_section(results: dict, sources: dict[str, str]) -> str:
         row = [result_cell(stem, results[gpu].get(stem), sources.get(stem)) for gpu in gpus]
         cells += row
         rel = path.relative_to(course.ROOT).as_posix()
-        rows.append(f"| {stem[:2]} | [{notebook_title(path)}]({rel}) | " + " | ".join(row) + " |")
+        rows.append(f"| {course.number(stem)} | [{notebook_title(path)}]({rel}) | " + " | ".join(row) + " |")
     charts = "\n".join(f"![{gpu.upper()}: headline figures as a % of their limit]"
                        f"(results/{gpu}.png)" for gpu in gpus)
     files = " · ".join(f"[`results/{gpu}.json`](results/{gpu}.json)" for gpu in gpus)
@@ -348,7 +348,7 @@ def chart_bars(stem_entries: dict[str, dict], sources: dict[str, str]) -> list[t
         for name in headline_figures(path.stem):
             result = found.get(name)
             if result is not None and result.percent_of_limit is not None:
-                label = f"{path.stem[:2]} {name} (of {result.limit_name})"
+                label = f"{course.number(path.stem)} {name} (of {result.limit_name})"
                 bars.append((f"{label} {marks(entry, sources.get(path.stem))}".rstrip(), result.percent_of_limit))
     return bars
 
