@@ -10,6 +10,7 @@ import re
 import socket
 import threading
 import time
+import urllib.error
 from pathlib import Path
 
 import numpy as np
@@ -498,3 +499,17 @@ def test_drain_produces_and_copies_every_batch(sample_images):
     images, labels = sample_images
     loader = data.seeded_loader(data.MNISTDataset(images, labels), 16)
     assert data.drain(loader, "cpu") == len(loader)
+
+
+def test_offline_download_says_no_network_in_a_few_words(tmp_path, capsys, monkeypatch):
+    """Every mirror's name failing to resolve is one short reason, not one DNS error per mirror and file."""
+    monkeypatch.setattr(torchvision.datasets.MNIST, "mirrors", ["http://mirror-a.invalid/", "http://mirror-b.invalid/"])
+
+    def unresolved(url, *args, **kwargs):
+        raise urllib.error.URLError(socket.gaierror(-3, "Temporary failure in name resolution"))
+
+    monkeypatch.setattr(data, "_fetch", unresolved)
+    assert data.load_mnist(tmp_path, timeout_s=5).source == "bundled-sample"
+    out = capsys.readouterr().out
+    assert "no network (no mirror's name resolved: mirror-a.invalid, mirror-b.invalid)" in out
+    assert "urlopen" not in out

@@ -73,3 +73,12 @@ def test_a_recorded_payload_reads_back_as_the_same_result():
     for result in (rate, epoch, plain):
         assert results.from_payload(result.name, json.loads(json.dumps(result.payload()))) == result
     assert results.from_payload("epoch_s", epoch.payload()).percent_of_limit == pytest.approx(50)
+
+
+def test_a_recorded_line_gives_the_limit_with_its_unit():
+    from utils.results import Result
+
+    rate = Result("copy_gbps", 3000.0, "GB/s", None, 3350.0, "datasheet bandwidth")
+    assert str(rate).endswith("90% of datasheet bandwidth (3350 GB/s)")
+    time = Result("epoch_s", 0.3, "s", None, 6.4e-05, "fp32 matmul rate")
+    assert str(time).endswith("0.021% of fp32 matmul rate: 6.4e-05 s at it")

@@ -989,7 +989,8 @@ def burst_vs_sustained(burst: Rate, sustained: Rate, *, label: str | None = None
         power, cap = sustained.conditions.power_w, sustained.conditions.power_limit_w
         watts = ""
         if power:
-            watts = f"; board power {power:,.0f} W" + (f" of a {cap:,.0f} W limit" if cap else "")
+            watts = f"; board power {power:,.0f} W" + (f" of a {cap:,.0f} W limit" if cap else "") + (
+                " (NVML's readings may overshoot the cap by a few percent)" if cap and power > cap else "")
         lines.append(f"SM clock: {bc:,.0f} MHz in the burst, {sc:,.0f} MHz sustained ({clock_ratio:.0%}), held back "
                      f"by {held}{watts}.")
         few = len(burst.conditions.samples) < MIN_CLOCK_SAMPLES
@@ -1001,8 +1002,9 @@ def burst_vs_sustained(burst: Rate, sustained: Rate, *, label: str | None = None
                 lines.append("The clock accounts for the drop: the rate fell as far as the clock did.")
             elif ratio > clock_ratio:
                 lines.append(f"The rate fell less than the clock: per GHz the sustained run did more work "
-                             f"({s / sc * 1e3:,.4g} against {b / bc * 1e3:,.4g} {unit} per GHz in the burst), so "
-                             "something besides the clock held the burst back.")
+                             f"({s / sc * 1e3:,.4g} against {b / bc * 1e3:,.4g} {unit} per GHz in the burst): "
+                             "either something besides the clock held the burst back, or the burst's few clock "
+                             "readings overstate its clock.")
             else:
                 lines.append("The rate fell further than the clock: something besides the SM clock (the memory "
                              "clock, another process) slowed the sustained run.")

@@ -18,6 +18,7 @@ import hashlib
 import http.client
 import math
 import os
+import socket
 import threading
 import time
 import urllib.parse
@@ -220,14 +221,19 @@ def _download_all(
     for filename, md5 in resources:
         gz = raw_dir / filename
         if not (gz.is_file() and hashlib.md5(gz.read_bytes(), usedforsecurity=False).hexdigest() == md5):
-            errors = []
+            errors, unresolved = [], []
             for mirror in mirrors:
+                host = urllib.parse.urlsplit(mirror).netloc or mirror
                 try:
                     _fetch(f"{mirror}{filename}", gz, md5, deadline, cancel)
                     break
                 except (OSError, http.client.HTTPException, DataError) as e:  # OSError: URLError, timeouts
-                    errors.append(f"{filename} from {urllib.parse.urlsplit(mirror).netloc or mirror}: {e}")
+                    errors.append(f"{filename} from {host}: {e}")
+                    if isinstance(getattr(e, "reason", None), socket.gaierror):
+                        unresolved.append(host)
             else:
+                if len(unresolved) == len(mirrors):  # offline: say so in a few words, not one error per mirror
+                    raise OSError(f"no network (no mirror's name resolved: {', '.join(unresolved)})")
                 raise OSError("; ".join(errors))
         if not gz.with_suffix("").is_file():
             _extract(gz, cancel)

@@ -59,7 +59,10 @@ class Result:
         if self.limit is not None:
             pct = self.percent_of_limit
             text += f", {pct:.0f}%" if pct >= 10 else f", {pct:.2g}%"
-            text += f" of {self.limit_name} ({self.limit:.4g})"
+            if self.unit in TIME_UNITS:  # the limit of a time is the least time the work takes at that rate
+                text += f" of {self.limit_name}: {self.limit:.4g} {self.unit} at it"
+            else:
+                text += f" of {self.limit_name} ({self.limit:.4g} {self.unit})"
         return text
 
 
