@@ -169,6 +169,7 @@ cudaError_t launch_flat(const T* x, const T* bias, T* out, int64_t n, int64_t co
 // multiply-add per pack, no division anywhere. The column blocks are blockIdx.x, so blocks that run at the same time
 // cover whole rows, one contiguous stretch of memory. VEC > 1 needs cols % VEC == 0 and 16-byte aligned pointers
 // (every row then starts on a 16-byte boundary); otherwise the launcher picks VEC = 1.
+// [lesson: rows kernel]
 template <typename T, int VEC, Math M>
 __global__ void __launch_bounds__(kThreads) bias_gelu_rows_kernel(const T* __restrict__ x, const T* __restrict__ bias,
                                                                   T* __restrict__ out, uint32_t rows, uint32_t cols) {
@@ -196,6 +197,8 @@ __global__ void __launch_bounds__(kThreads) bias_gelu_rows_kernel(const T* __res
     }
   }
 }
+
+// [end lesson]
 
 template <typename T, Math M>
 cudaError_t launch_rows(const T* x, const T* bias, T* out, int64_t rows, int64_t cols, cudaStream_t stream) {

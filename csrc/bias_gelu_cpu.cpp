@@ -53,6 +53,8 @@ at::Tensor bias_gelu_cpu(const at::Tensor& x, const at::Tensor& bias) {
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(course_ext, m) {
-  m.def("bias_gelu_cpu(Tensor x, Tensor bias) -> Tensor", &bias_gelu_cpu);
-}
+// The schema, then the kernel for CPU tensors: registered per dispatch key (not as a catch-all), so that a fake
+// implementation can be added from Python (utils/bias_gelu.py) and torch.compile can trace a call to the op.
+TORCH_LIBRARY_FRAGMENT(course_ext, m) { m.def("bias_gelu_cpu(Tensor x, Tensor bias) -> Tensor"); }
+
+TORCH_LIBRARY_IMPL(course_ext, CPU, m) { m.impl("bias_gelu_cpu", &bias_gelu_cpu); }

@@ -44,7 +44,14 @@ at::Tensor bias_gelu_cuda_variant(const at::Tensor& x, const at::Tensor& bias, i
 
 }  // namespace
 
+// The schemas, then the kernels for CUDA tensors: registered per dispatch key (not as a catch-all), so that a fake
+// implementation can be added from Python (utils/bias_gelu.py) and torch.compile can trace a call to the ops.
 TORCH_LIBRARY_FRAGMENT(course_ext, m) {
-  m.def("bias_gelu_cuda(Tensor x, Tensor bias) -> Tensor", &bias_gelu_cuda);
-  m.def("bias_gelu_cuda_variant(Tensor x, Tensor bias, int variant) -> Tensor", &bias_gelu_cuda_variant);
+  m.def("bias_gelu_cuda(Tensor x, Tensor bias) -> Tensor");
+  m.def("bias_gelu_cuda_variant(Tensor x, Tensor bias, int variant) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(course_ext, CUDA, m) {
+  m.impl("bias_gelu_cuda", &bias_gelu_cuda);
+  m.impl("bias_gelu_cuda_variant", &bias_gelu_cuda_variant);
 }

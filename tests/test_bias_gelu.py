@@ -117,10 +117,14 @@ def test_cpp_kernel_checks_its_own_inputs(cpu_ext, case):
         torch.ops.course_ext.bias_gelu_cpu(*args)
 
 
-def test_cpp_kernel_refuses_another_device(cpu_ext):
+def test_raw_cpp_op_has_a_fake_and_compiles(cpu_ext):
+    """The C++ op is registered for the CPU dispatch key (not as a catch-all), so utils adds a fake: meta tensors
+    give an output's shape without computing it, and torch.compile(fullgraph=True) traces a call to the raw op."""
     x, b = make_inputs((4, 8))
-    with pytest.raises(RuntimeError, match="expected x and bias on one CPU device, got x on meta"):
-        torch.ops.course_ext.bias_gelu_cpu(x.to("meta"), b.to("meta"))
+    out = torch.ops.course_ext.bias_gelu_cpu(x.to("meta"), b.to("meta"))
+    assert out.device.type == "meta" and out.shape == x.shape
+    compiled = torch.compile(lambda a, c: torch.ops.course_ext.bias_gelu_cpu(a, c), fullgraph=True)
+    assert_matches_reference(compiled(x, b), x, b)
 
 
 @pytest.mark.parametrize("shape", [(0, 781), (5, 0), (0,), (2, 0, 3)])
@@ -283,6 +287,11 @@ def test_triton_kernel_in_the_interpreter():
                                            **bg.tolerance(dtype))
         x = torch.randn(37, 29, generator=gen).half()
         b = torch.randn(29, generator=gen)  # an fp32 bias: the operator rounds it to fp16
+        kit = bg.toolchain("cpu")
+        assert kit.triton_why_not is None, kit.triton_why_not
+        registered = bg.register_triton(bg.bias_gelu_kernel, kit, example=(x, b.half()))
+        assert registered.available and registered.op is bg.bias_gelu_triton
+        assert registered.dtypes == (torch.float32, torch.float16)
         out = bg.bias_gelu_triton(x, b)
         assert out.dtype == torch.float16
         torch.testing.assert_close(out.float(), bg.reference(x.float(), b.half().float()), **bg.tolerance(x.dtype))
@@ -398,3 +407,172 @@ def test_importing_utils_does_not_import_triton():
     code = "import sys, utils; sys.exit('triton' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, f"`import utils` imported Triton: {result.stderr[-500:]}"
+
+
+# ── What runs here: every missing piece simulated (notebook 06 prints the reason and skips the path) ──────────
+
+from utils import extension  # noqa: E402
+from utils.bench import Comparison  # noqa: E402
+
+
+def _not_built(monkeypatch, tmp_path):
+    """No earlier build: toolchain() must then ask for the tools."""
+    monkeypatch.setattr(extension, "BUILD_ROOT", tmp_path)
+    monkeypatch.setattr(extension, "build_directory", lambda spec, root=tmp_path: tmp_path / spec.name)
+    monkeypatch.setattr(extension, "library_path", lambda spec, root=tmp_path: tmp_path / spec.name / "x.so")
+
+
+def test_toolchain_on_a_cpu_with_the_interpreter(monkeypatch):
+    monkeypatch.setattr(bg, "TRITON_INTERPRETED", True)
+    kit = bg.toolchain("cpu")
+    assert kit.triton_why_not is None and kit.triton_dtypes == (torch.float32, torch.float16)  # numpy has no bf16
+    assert kit.cpp_kind == "cpu" and kit.dtype == torch.float32
+    assert [row["path"] for row in kit.rows()] == ["Triton kernel", "C++ extension (cpu)", "torch.compile"]
+
+
+def test_toolchain_on_a_cpu_without_the_interpreter_says_how_to_switch_it_on(monkeypatch):
+    monkeypatch.setattr(bg, "TRITON_INTERPRETED", False)
+    kit = bg.toolchain("cpu")
+    assert "TRITON_INTERPRET=1" in kit.triton_why_not and kit.triton_dtypes == ()
+
+
+def test_without_triton_the_kernel_cell_runs_and_every_triton_path_says_why(monkeypatch, capsys):
+    monkeypatch.setattr(bg, "triton", None)
+    kit = bg.toolchain("cpu")
+    assert kit.triton_why_not == bg.TRITON_MISSING
+    triton, tl = bg.import_triton()
+
+    @triton.autotune(configs=bg.triton_configs(), key=["n"])
+    @triton.jit
+    def kernel(x_ptr, n, BLOCK: tl.constexpr):  # a kernel cell, as the notebook has it
+        pass
+
+    assert isinstance(kernel, bg.MissingKernel) and bg.triton_configs() == []
+    with pytest.raises(RuntimeError, match="Triton is not installed"):
+        kernel[(1,)](None, 1)
+    result = bg.register_triton(kernel, kit)
+    assert not result.available and result.launch is None and result.op is None
+    assert "Triton kernel: skipped, Triton is not installed" in capsys.readouterr().out
+
+
+def test_no_compiler_no_ninja_no_nvcc_are_each_named(monkeypatch, tmp_path):
+    _not_built(monkeypatch, tmp_path)
+    monkeypatch.setattr(extension, "find_cxx", lambda: None)
+    kit = bg.toolchain("cpu")
+    assert "no C++ compiler" in kit.cpp_why_not and "C++ compiler" in kit.compile_why_not
+    monkeypatch.setattr(extension, "find_cxx", lambda: "/usr/bin/c++")
+    monkeypatch.setattr(extension, "find_ninja", lambda: None)
+    assert "pip install ninja" in bg.toolchain("cpu").cpp_why_not
+    monkeypatch.setattr(extension, "find_ninja", lambda: "/usr/bin/ninja")
+    assert bg.toolchain("cpu").cpp_why_not is None
+    import utils.env
+
+    monkeypatch.setattr(utils.env, "find_nvcc", lambda: None)
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    assert "no nvcc" in extension.why_not_buildable(cuda=True)
+    monkeypatch.setattr(torch.version, "cuda", None)
+    assert "without CUDA" in extension.why_not_buildable(cuda=True)
+    assert extension.why_not_buildable(cuda=False) is None
+
+
+def test_an_earlier_build_needs_no_tools(cpu_ext, monkeypatch):
+    monkeypatch.setattr(extension, "find_cxx", lambda: None)
+    monkeypatch.setattr(extension, "find_ninja", lambda: None)
+    assert bg.toolchain("cpu").cpp_why_not is None
+
+
+def test_build_cpp_skips_with_the_reason_and_build_refuses_early(monkeypatch, tmp_path, capsys):
+    _not_built(monkeypatch, tmp_path)
+    monkeypatch.setattr(extension, "find_ninja", lambda: None)
+    kit = bg.toolchain("cpu")
+    result = bg.build_cpp(kit)
+    assert not result.available and result.launch is None and "ninja" in result.why_not
+    assert "C++ (cpu): skipped, no ninja" in capsys.readouterr().out
+    spec = extension.ExtensionSpec("course_never_built", bg.CPU_SOURCES, bg.HEADERS[:1])
+    with pytest.raises(RuntimeError, match="cannot build course_never_built here: no ninja"):
+        extension.build(spec, root=tmp_path)
+
+
+def test_ninja_beside_this_python_is_found(monkeypatch, tmp_path):
+    """pip install ninja puts it in the environment's bin/, which is not on PATH unless the venv is activated."""
+    (tmp_path / "ninja").write_text("#!/bin/sh\n")
+    monkeypatch.setattr(extension.shutil, "which", lambda name: None)
+    monkeypatch.setattr(extension.sys, "executable", str(tmp_path / "python"))
+    assert extension.find_ninja() == str(tmp_path / "ninja")
+    (tmp_path / "ninja").unlink()
+    assert extension.find_ninja() is None
+
+
+@pytest.mark.parametrize(("cc", "dtypes", "dtype", "why"), [
+    ((9, 0), DTYPES, torch.bfloat16, None),
+    ((7, 5), [torch.float32, torch.float16], torch.float16, None),  # a T4: no bf16 in Triton, fp16 activations
+    ((6, 1), [], torch.float16, "compute capability 7.0"),
+])
+def test_toolchain_on_gpus_by_compute_capability(monkeypatch, tmp_path, cc, dtypes, dtype, why):
+    _not_built(monkeypatch, tmp_path)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cc)
+    monkeypatch.setattr(bg, "TRITON_INTERPRETED", False)
+    kit = bg.toolchain(torch.device("cuda"))
+    assert list(kit.triton_dtypes) == dtypes and kit.dtype == dtype and kit.cpp_kind == "cuda"
+    assert kit.triton_why_not is None if why is None else why in kit.triton_why_not
+    assert (kit.compile_why_not is None) == (why is None)
+
+
+def test_check_kernel_fails_on_a_wrong_kernel_and_on_nothing_to_check():
+    with pytest.raises(ValueError, match="differs from the float32 reference in torch.float32"):
+        bg.check_kernel(lambda x, b: torch.relu(x + b), "cpu", [torch.float32], name="wrong")
+    with pytest.raises(ValueError, match="no dtype to check"):
+        bg.check_kernel(bg.reference, "cpu", [])
+    rows = bg.check_kernel(bg.reference, "cpu", [torch.float32], shape=(37, 29))
+    assert rows[0]["dtype"] == "float32" and rows[0]["aligned + offset"] == "✓"
+
+
+def test_check_outputs_names_the_variant_that_differs():
+    x, b = make_inputs((64, 48), torch.bfloat16)
+    text = bg.check_outputs({"eager": lambda: bg.reference(x, b)}, x, b, roundings={"eager": 2})
+    assert text.startswith("All 1 match")
+    with pytest.raises(ValueError, match="eager differs"):  # two roundings do not pass the tolerance of one
+        bg.check_outputs({"eager": lambda: bg.reference(x, b) * 1.01}, x, b)
+
+
+def test_traffic_and_how_a_speedup_splits_into_bytes_and_rate():
+    x, b = make_inputs((1000, 100))
+    t = bg.traffic(x, b)
+    assert t.eager_bytes == bg.eager_bytes_moved(x, b) and t.fused_bytes == bg.bytes_moved(x, b)
+    assert "add → gelu" in str(t) and f"{t.ratio:.2f}× fewer bytes" in str(t)
+    # eager 4 s per call, the kernel 1 s: 4× = the byte ratio (~2×) × the rest (~2×); rates against a limit
+    cmp = Comparison.from_rounds({"eager": [4.0] * 6, "k": [1.0] * 6}, work=None)
+    cmp = Comparison(cmp.timings, "eager", work=bg_work(t.fused_bytes), limit=t.fused_bytes / 1e9)
+    text = t.parts(cmp, "k")
+    assert text.startswith(f"k: 4.00× eager = {t.ratio:.2f}× fewer bytes × {4 / t.ratio:.2f}× the rate")
+    assert "it streams at 100% of copy bandwidth, eager's kernels at" in text
+    amp = bg.traffic(x.bfloat16(), b, autocast=torch.bfloat16)
+    assert [op["output dtype"] for op in amp.ops] == ["float32", "float32"] and amp.ratio > 3
+
+
+def bg_work(nbytes):
+    from utils.bench import Work
+
+    return Work(nbytes, "bytes")
+
+
+def test_issue_budget():
+    # 2 SMs × 4 × 32 at 1 GHz = 256e9 instructions/s; 16 GB/s moves 4e9 bf16 elements (2 × 2 bytes): 64
+    assert bg.issue_budget(2, 1000.0, 16.0, 2) == pytest.approx(64)
+
+
+def test_the_lesson_shows_the_rows_kernel():
+    text = bg.cuda_excerpt()
+    assert text.lstrip().startswith("template <typename T, int VEC, Math M>") and "bias_gelu_rows_kernel" in text
+    assert "[end lesson]" not in text and "bias_gelu_flat_kernel" not in text
+
+
+def test_notebook_kernel_is_this_modules_kernel():
+    """Notebook 06 defines the Triton kernel inline for the reader to edit; this module keeps the same code so that
+    these tests (and ncu's child process) test what the lesson shows (d2l's #@save)."""
+    import nbformat
+
+    nb = nbformat.read(bg.REPO_ROOT / "notebooks" / "06_custom_kernels.ipynb", as_version=4)
+    cell = next(c.source for c in nb.cells if c.cell_type == "code" and "def bias_gelu_kernel(" in c.source)
+    ours = bg.source_of(bg.bias_gelu_kernel)
+    assert cell[cell.index("def bias_gelu_kernel("):].strip() == ours[ours.index("def bias_gelu_kernel("):].strip()

@@ -143,3 +143,35 @@ def test_cuda_checkpointing_lowers_the_peak_of_a_step():
         peaks[name] = mem.peak_increase_bytes
     # the layers keep ~5 KB per token without checkpointing, 0.5 KB with it: 4,096 tokens
     assert peaks["checkpointed"] < peaks["plain"] - 8 * MiB, peaks
+
+
+def test_count_recomputation_and_check_policies_catch_the_slip():
+    model, x, y = small_lm()
+    overloads = [ATEN.mm.default, ATEN.addmm.default]
+    policies = {"full": None, "overloads": overloads, "packets": [ATEN.mm, ATEN.addmm]}
+    rows = checkpointing.count_recomputation(model.encoder.layers,
+                                             lambda: train.lm_loss(model(x), y).backward(), policies)
+    assert [r["policy"] for r in rows.values()] == list(policies)
+    assert rows["full"]["matmuls recomputed"] == rows["packets"]["matmuls recomputed"] == 8
+    assert rows["overloads"]["matmuls recomputed"] == 0 and rows["packets"]["named but never matched"] != "—"
+    text = checkpointing.check_policies(rows, full="full", selective="overloads", slip="packets")
+    assert "no matmul recomputed, against 8" in text and "matches nothing" in text
+    with pytest.raises(AssertionError, match="recomputed 8 matmuls it should keep"):
+        checkpointing.check_policies(rows, full="full", selective="packets")
+    with pytest.raises(AssertionError, match="not the 8"):
+        checkpointing.check_policies(rows, full="full", selective="overloads", slip="overloads")
+    with pytest.raises(AssertionError, match="nothing was checkpointed"):
+        checkpointing.check_policies(rows, full="overloads", selective="overloads")
+
+
+def test_record_overhead_records_the_step_time_cost_with_its_band():
+    from utils import bench, results
+
+    steps = bench.Comparison.from_rounds({"base": [1.0] * 8, "full": [1.2] * 7 + [1.25], "sel": [1.1] * 8})
+    checkpointing.record_overhead(steps, {"full_pct": "full", "sel_vs_full_pct": "sel"})
+    assert results.RECORDED["full_pct"].unit == "%"
+    assert results.RECORDED["full_pct"].value == pytest.approx(20.0)
+    low, high = results.RECORDED["full_pct"].band
+    assert low <= 20.0 <= high
+    checkpointing.record_overhead(steps, {"sel_vs_full_pct": "sel"}, against="full")
+    assert results.RECORDED["sel_vs_full_pct"].value == pytest.approx(100 * (1.1 / 1.2 - 1))

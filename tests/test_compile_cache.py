@@ -103,3 +103,14 @@ def test_keep_compiled_compiles_cold_and_keeps_what_was_compiled_before():
         before = compile_cache.graph_counts()
         compiled_first(x)
         assert (compile_cache.graph_counts() - before).compiled == 1, "a default block forgets earlier compiles"
+
+
+def test_size_bytes_sums_the_files_and_counts_one_that_vanished_as_zero(tmp_path, monkeypatch):
+    cache = compile_cache.ColdCache(tmp_path)
+    (tmp_path / "a").write_bytes(b"x" * 10)
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "b").write_bytes(b"x" * 5)
+    assert cache.size_bytes() == 15
+    gone = tmp_path / "gone"
+    monkeypatch.setattr(compile_cache.ColdCache, "files", lambda self: [tmp_path / "a", gone])
+    assert cache.size_bytes() == 10, "a file a compile worker removed meanwhile counts as 0"

@@ -8,6 +8,7 @@ wrong call order or argument fails here too), and for real by the tests marked `
 import json
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import matplotlib
@@ -17,8 +18,8 @@ matplotlib.use("Agg")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from tests.tiny_transformer import small_lm
-from utils import memory, train  # noqa: E402
+from tests.tiny_transformer import SMALL, small_lm
+from utils import memory, memory_calculator, models, train  # noqa: E402
 
 MB = 1_000_000
 MiB = 2**20
@@ -294,3 +295,137 @@ def test_cuda_trace_step_memory_rises_in_forward_and_falls_in_backward():
     # the start still holds the last step's gradients (train_step frees them first): compare within the forward
     assert level[("layer 1", "forward")] > level[("layer 0", "forward")] > level[("embedding", "forward")]
     assert "memory_allocated" in trace.what
+
+
+# --- a step's parts, variants checked against a baseline, forward passes, optimizers (notebook 05) ---------------
+
+def _new_model():
+    torch.manual_seed(0)
+    return models.TransformerModel(SMALL)
+
+
+def _batch():
+    gen = torch.Generator().manual_seed(0)
+    return (torch.randint(0, SMALL.vocab_size, (4, 16), generator=gen),
+            torch.randint(0, SMALL.vocab_size, (4, 16), generator=gen))
+
+
+def test_measure_step_parts_reads_every_phase_on_cpu():
+    x, y = _batch()
+    parts = memory.measure_step_parts(_new_model, partial(torch.optim.AdamW, lr=1e-3), x, y, "cpu")
+    assert list(parts.parts) == ["weights", "activations", "optimizer state", "gradients", "transient at the peak"]
+    assert parts.cache_bytes is None and parts.outside_bytes is None and parts.peak_bytes >= 0
+    predicted = memory_calculator.predict_training_memory(_new_model(), activations=1000)
+    rows = parts.rows(predicted)
+    assert [r["part"] for r in rows][-1] == "peak of a step" and all(r["measured / predicted"] == "—" for r in rows)
+    assert "resident set size" in parts.check(predicted)  # a CPU says what RSS is instead of comparing
+
+
+def test_step_parts_check_holds_the_exact_parts_to_the_prediction():
+    predicted = memory_calculator.MemoryPrediction(weights=1000, gradients=1000, optimizer_state=2000,
+                                                   activations=5000, transient=100)
+    exact = {"weights": 1010, "gradients": 1000, "optimizer state": 2000, "activations": 6000,
+             "transient at the peak": 0}
+    parts = memory.StepParts("cuda:0", exact, 9000, 9000, 0, 0, "allocator")
+    assert "within 1.0% (weights)" in parts.check(predicted)
+    assert parts.rows(predicted)[0]["measured / predicted"] == "1.01"
+    off = memory.StepParts("cuda:0", exact | {"optimizer state": 3000}, 9000, 9000, 0, 0, "allocator")
+    with pytest.raises(AssertionError, match="optimizer state"):
+        off.check(predicted)
+
+
+def test_trace_summary_reads_the_end_of_forward_the_highest_and_the_last():
+    trace = memory.MemoryTrace("cuda:0", "allocator", ["start", "layer 0", "head", "head", "optimizer step"],
+                               ["start", "forward", "forward", "backward", "optimizer"],
+                               [100, 300, 600, 500, 150])
+    text = trace.summary(peak_increase_bytes=900)
+    assert "500 B at the end of the forward pass" in text and "(head, forward)" in text
+    assert "50 B at the last (optimizer step)" in text and "900 B above the start" in text
+
+
+def _plain(model, optimizer, inputs, targets, **options):
+    return train.train_step(model, optimizer, inputs, targets, **options)
+
+
+def _no_update(model, optimizer, inputs, targets):
+    optimizer.zero_grad(set_to_none=True)
+    loss = train.lm_loss(model(inputs), targets)
+    loss.backward()
+    return loss.detach()  # forgets optimizer.step()
+
+
+def _doubled_loss(model, optimizer, inputs, targets):
+    return train.train_step(model, optimizer, inputs, targets, loss_fn=lambda m, i, t: 2 * train.lm_loss(m(i), t),
+                            max_grad_norm=None)
+
+
+def _accumulated(model, optimizer, inputs, targets):
+    optimizer.zero_grad(set_to_none=True)
+    total = 0.0
+    for xs, ys in zip(inputs.chunk(2), targets.chunk(2), strict=True):
+        loss = train.lm_loss(model(xs), ys) / 2
+        loss.backward()
+        total += loss.item()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    return torch.tensor(total)
+
+
+def test_check_steps_accepts_equivalent_variants_and_says_what_it_checked():
+    x, y = _batch()
+    adamw = partial(torch.optim.AdamW, lr=1e-3)
+    variants = {"baseline": (adamw, _plain),
+                "chunked loss": (adamw, partial(_plain, loss_fn=train.chunked_loss_fn(16))),
+                "accumulated": (adamw, _accumulated),
+                "bf16": (adamw, partial(_plain, amp_dtype=torch.bfloat16)),
+                "Adafactor": (torch.optim.Adafactor, _plain)}
+    checks = memory.check_steps(variants, _new_model, x, y, "cpu", low_precision=["bf16"], own_update=["Adafactor"])
+    kinds = {label: c.kind for label, c in checks.checks.items()}
+    assert kinds == {"baseline": "reference", "chunked loss": "exact", "accumulated": "exact", "bf16": "low precision",
+                     "Adafactor": "own update"}
+    assert len(checks.checks["Adafactor"].grad_errors) == 1 and checks.checks["Adafactor"].update_error is None
+    assert len(checks.checks["chunked loss"].grad_errors) == 2 and checks.checks["chunked loss"].update_error < 3e-3
+    assert checks.baseline == "baseline" and checks.peak("accumulated") >= 0
+    assert [r["variant"] for r in checks.rows()] == list(variants)
+    summary = checks.summary()
+    assert summary.startswith("✅ 4 variants") and "2 × the loss and gradients of both steps and the weights' change" \
+        in summary and "1 × the first step's" in summary
+
+
+@pytest.mark.parametrize(("variant", "message"), [(_no_update, "did not fall|loss is|gradients are"),
+                                                   (_doubled_loss, "step 1's loss")])
+def test_check_steps_rejects_a_variant_that_computes_something_else(variant, message):
+    x, y = _batch()
+    adamw = partial(torch.optim.AdamW, lr=1e-3)
+    with pytest.raises(AssertionError, match=message):
+        memory.check_steps({"baseline": (adamw, _plain), "broken": (adamw, variant)}, _new_model, x, y, "cpu")
+
+
+def test_check_steps_catches_an_optimizer_that_updates_differently():
+    x, y = _batch()
+    adamw = partial(torch.optim.AdamW, lr=1e-3)
+    sgd = partial(torch.optim.SGD, lr=1e-3)  # the same first gradients, another update
+    with pytest.raises(AssertionError, match="step 2|update"):
+        memory.check_steps({"baseline": (adamw, _plain), "sgd": (sgd, _plain)}, _new_model, x, y, "cpu")
+
+
+def test_forward_memory_measures_each_mode_and_checks_the_outputs():
+    x, _ = _batch()
+    model = _new_model().eval()
+    modes = {"gradients enabled": torch.enable_grad, "no_grad": torch.no_grad}
+    passes = memory.forward_memory(model, x, modes, "cpu")
+    assert set(passes.peaks) == set(passes.held) == set(passes.calls) == set(modes)
+    assert passes.calls["no_grad"]().requires_grad is False
+    assert [r["mode"] for r in passes.rows()] == list(modes)
+    with pytest.raises(AssertionError, match="differs"):
+        memory.forward_memory(model, x, {"fp32": torch.no_grad,
+                                         "bf16": partial(torch.autocast, "cpu", dtype=torch.bfloat16)}, "cpu")
+
+
+def test_optimizer_memory_counts_each_optimizers_state():
+    x, y = _batch()
+    rows = memory.optimizer_memory(_new_model, {"AdamW": partial(torch.optim.AdamW, lr=1e-3),
+                                                "SGD": partial(torch.optim.SGD, lr=1e-3)}, x, y, "cpu")
+    n = sum(p.numel() for p in _new_model().parameters())
+    assert rows[0]["state"] == memory.format_bytes(8 * n) and rows[1]["state"] == "0 B"
+    assert rows[0]["step()'s temporaries"].endswith("(RSS)")

@@ -196,3 +196,27 @@ def test_cuda_transformer_activations_match_what_autograd_keeps(amp):
     n, value_bytes = 4 * 16, 2 if amp else 4
     slack = SMALL.num_layers * (n * SMALL.d_model * value_bytes + 4 * SMALL.nhead * 32 * 4 + 64)
     assert estimate - 64 <= kept <= estimate + slack, (kept, estimate)
+
+
+def test_largest_predicted_batch_is_the_last_that_fits():
+    budget = 64 * 2**20
+    for options in ({}, {"amp": True, "checkpointing": "full", "chunked_loss": True, "chunk_tokens": 64}):
+        best = memory_calculator.largest_predicted_batch(SMALL, budget, 64, **options)
+        assert best > 0
+        assert memory_calculator.predict_step_peak(SMALL, best, 64, **options) <= budget
+        assert memory_calculator.predict_step_peak(SMALL, best + 1, 64, **options) > budget
+    assert memory_calculator.largest_predicted_batch(SMALL, 1, 64) == 0
+
+
+def test_explorer_runs_with_its_defaults_and_measures_only_on_a_gpu(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU branch")
+    explorer = memory_calculator.explorer({"small": SMALL}, "cpu", batch=4, seq=16, amp_dtype=torch.bfloat16,
+                                          show=False)
+    assert explorer.result.peak == memory_calculator.predict_step_peak(SMALL, 4, 16, device_type="cpu")
+    assert "predicted peak" in capsys.readouterr().out
+    default = explorer.result
+    assert explorer.run("Measure on this GPU") is None and explorer.error is None
+    assert "Measuring needs a GPU" in capsys.readouterr().out
+    settings = explorer.values | {"precision": "bfloat16 autocast", "checkpointing": "selective", "chunked_loss": True}
+    assert explorer.fn(**settings).peak < default.peak

@@ -261,3 +261,15 @@ def test_cuda_snapshot_carries_the_allocator_settings():
     snapshot = torch.cuda.memory._snapshot()
     assert isinstance(snapshot.get("allocator_settings"), dict), sorted(snapshot)
     assert memory_snapshot.expandable_segments_enabled(snapshot) in (True, False)
+
+
+def test_peak_breakdown_summary_gives_each_phase_its_share():
+    breakdown = memory_snapshot.PeakBreakdown(1000, 42, 200, [("forward · functional.py:relu", 500, 3),
+                                                             ("no Python stack (a C++ thread)", 250, 1),
+                                                             ("backward · autograd.py:x", 49, 1),
+                                                             ("forward · tiny.py:y", 1, 1)])
+    text = breakdown.summary(1002, min_share=0.01)
+    assert "event 42" in text and "50% allocated in the forward pass, 30% in backward, 20% before the step" in text
+    assert "1 place(s) under 1.0% of the peak, 1 B in all" in text and "2 B less" in text
+    assert "more tensors were live" in breakdown.summary(900)
+    assert memory_snapshot.PeakBreakdown(0, -1, 0, []).summary() == "The snapshot recorded no allocation."

@@ -80,3 +80,23 @@ def test_round_mantissa_matches_bf16_and_rounds_ties_to_even():
 
 def test_unit_roundoff():
     assert nf.unit_roundoff(10) == 2**-11 and math.isclose(nf.unit_roundoff(23), 2**-24)
+
+
+def test_ranges_from_finfo_and_the_bit_layout():
+    rows = {r["format"]: r for r in nf.ranges(fp8_note="no fp8 here")}
+    assert rows["float16"]["max"] == "6.55e+04" and rows["float16"]["smallest normal"] == "6.1e-05"
+    assert float(rows["float16"]["smallest subnormal"]) == pytest.approx(2.0**-24, rel=1e-2)  # 2^-14 · 2^-10
+    assert rows["bfloat16"]["smallest normal"] == rows["float32"]["smallest normal"]  # fp32's range
+    assert rows["tf32"]["mantissa bits"] == 10 and rows["tf32"]["eps (gap above 1)"] == f"{2.0**-10:.3g}"
+    assert rows["bfloat16"]["eps (gap above 1)"] == f"{2.0**-7:.3g}"
+    if hasattr(torch, "float8_e4m3fn"):
+        assert rows["float8_e4m3fn"]["max"] == "448" and "no fp8 here" in rows["float8_e4m3fn"]["note"]
+
+
+def test_round_trips_name_what_happened():
+    rows = nf.round_trips({"big": 7e4, "tiny": 1e-8, "small": 1e-5})
+    assert rows[0]["as float16"] == "inf (overflow to inf)" and rows[0]["as bfloat16"] == "70144 (rounded)"
+    assert rows[1]["as float16"].endswith("(underflow to 0)") and "rounded" in rows[1]["as bfloat16"]
+    assert "subnormal" in rows[2]["as float16"]
+    with pytest.raises(ValueError, match="unknown formats"):
+        nf.round_trips({"x": 1.0}, names=("float12",))

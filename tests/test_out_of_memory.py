@@ -140,3 +140,91 @@ def test_cuda_largest_batch_of_real_training_steps_in_a_budget():
         torch.cuda.set_per_process_memory_fraction(1.0)
     assert 8 < search.largest < search.limit and any(not ok for _, ok in search.tried), search
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_step_outcome_report_says_what_was_released_and_checks_it():
+    failed = out_of_memory.StepOutcome(ok=False, error="CUDA out of memory. Tried to allocate 2 GiB", before_bytes=100,
+                                       held_bytes=5000, after_bytes=100, device="cuda:0")
+    text = failed.report()
+    assert text.startswith("out of memory, caught: CUDA out of memory") and "while handling the error 4.88 KiB" in text
+    with pytest.raises(AssertionError, match="meant not to fit"):
+        out_of_memory.StepOutcome(ok=True, device="cuda:0").report()
+    kept = out_of_memory.StepOutcome(ok=False, error="x", before_bytes=0, held_bytes=0, after_bytes=2 * MiB,
+                                     device="cuda:0")
+    with pytest.raises(AssertionError, match="releasing left 2.00 MiB"):
+        kept.report()
+    out_of_memory.StepOutcome(ok=False, error="x", before_bytes=0, after_bytes=2 * MiB, device="cpu").report()  # RSS
+    outcome = out_of_memory.try_step(lambda: torch.empty(2**62, dtype=torch.uint8), "cpu")
+    assert outcome.device == "cpu" and not outcome.ok
+
+
+def test_memory_budget_on_a_cpu_caps_nothing_and_says_why():
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU branch")
+    with out_of_memory.memory_budget(16 * 2**30, "cpu") as budget:
+        assert not budget.active and not budget.whole_budget
+    assert "No cap on a CPU" in str(budget)
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """torch.cuda answering like an 80 GiB GPU with 1 GiB reserved and ``free`` bytes free; logs the fractions."""
+    fractions, state = [], {"free": 70 * 2**30}
+    monkeypatch.setattr(out_of_memory, "get_device", lambda device=None: torch.device("cuda:0"))
+    monkeypatch.setattr(out_of_memory, "release_memory", lambda *args: None)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device=None: type("P", (), {"total_memory": 80 * 2**30})())
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 2**30)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (state["free"], 80 * 2**30))
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction",
+                        lambda fraction, device=None: fractions.append(fraction))
+    return fractions, state
+
+
+def test_memory_budget_caps_this_process_allocator_and_undoes_it(fake_gpu):
+    fractions, state = fake_gpu
+    with out_of_memory.memory_budget(16 * 2**30, "cuda") as budget:
+        assert fractions == [0.2]
+    assert fractions == [0.2, 1.0] and budget.whole_budget and budget.cap_bytes == 16 * 2**30
+    assert "not its CUDA context nor other processes" in budget.what and "holds 1.00 GiB now" in budget.what
+    with out_of_memory.memory_budget(100 * 2**30, "cuda") as whole:
+        pass
+    assert whole.cap_bytes == 80 * 2**30 and not whole.whole_budget and "the cap is the whole GPU" in whole.what
+    state["free"] = 10 * 2**30  # other processes hold most of the GPU
+    with out_of_memory.memory_budget(16 * 2**30, "cuda") as crowded:
+        pass
+    assert not crowded.whole_budget and "Other processes leave this one only 11.00 GiB" in crowded.what
+
+
+def test_search_largest_batch_records_the_peaks_of_every_batch_that_fitted():
+    made = []
+
+    def step(inputs, targets):
+        if len(inputs) > 50:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+
+    def batch_of(b):
+        made.append(b)
+        return torch.zeros(b, 2), torch.zeros(b, 2)
+
+    search = out_of_memory.search_largest_batch(step, "cpu", start=8, limit=1000, inputs=batch_of)
+    assert search.largest == 50 and made == [b for b, _ in search.tried]
+    assert set(search.peaks) == {b for b, ok in search.tried if ok} and all(a > 0 for a, _ in search.peaks.values())
+
+
+def test_budget_rows_and_record_searches(capsys):
+    from utils import results
+
+    base = out_of_memory.BatchSearch(80, ((32, True), (128, False)), 1000, {80: (15 * 2**30, 16 * 2**30 - 1)})
+    capped = out_of_memory.BatchSearch(1000, ((1000, True),), 1000)
+    rows = out_of_memory.budget_rows({"baseline": 85, "bf16": 108, "combined": 2207},
+                                     {"baseline": base, "combined": capped})
+    assert rows[0]["measured"] == "80" and rows[0]["vs baseline"] == "1.0×" and rows[0]["peak allocated"] == "15.00 GiB"
+    assert rows[1]["measured"] == "—" and rows[2]["measured"] == "≥ 1,000" and rows[2]["vs baseline"] == "12.5×"
+    whole = out_of_memory.MemoryBudget("cuda:0", 2**34, 2**34, 0.2, 0, 2**36, "")
+    out_of_memory.record_searches({"max_batch_test_base": base, "max_batch_test_capped": capped}, whole)
+    assert results.RECORDED["max_batch_test_base"].value == 80 and "max_batch_test_capped" not in results.RECORDED
+    assert "only a lower bound" in capsys.readouterr().out
+    small = out_of_memory.MemoryBudget("cuda:0", 2**34, 2**33, 1.0, 0, 2**33, "")
+    out_of_memory.record_searches({"max_batch_test_small": base}, small)
+    assert "max_batch_test_small" not in results.RECORDED and "not the whole" in capsys.readouterr().out

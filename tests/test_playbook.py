@@ -1,5 +1,6 @@
 """utils.playbook: the tips, the diagnosis of a profiled step, findings and their verdicts, idle gaps, rounding."""
 
+import contextlib
 import re
 import warnings
 
@@ -115,7 +116,8 @@ def test_idle_longer_than_any_kind_of_kernel_puts_fewer_launches_first():
     assert d.bound == "partly launch-bound" and d.largest == "launch" and d.share == pytest.approx(0.4)
     assert [t.key for t in d.tips] == ["cuda_graphs", "fused_optimizer", "compile", "channels_last",
                                        "cudnn_benchmark"]
-    assert "waits for the host 40% of the step, longer than any kind of kernel runs → try CUDA graphs" in str(d)
+    assert "waits for the host 40% of the step, longer than any kind of kernel runs (host: " in str(d)
+    assert "→ try CUDA graphs" in str(d)
     # elementwise work as the largest kind adds nothing: compile is a launch tip already
     other = playbook.diagnose(gpu_profile(1000, [("vectorized_elementwise_kernel", 10, 30.0),
                                                  ("sm90_xmma_gemm_f32", 1, 250.0)]))
@@ -186,12 +188,14 @@ def test_findings_rows_print_and_chart(capsys):
     rows = findings.rows()
     assert [r["claim"] for r in rows] == ["TF32 matmuls", "compile · MLP", "cudnn.benchmark", "CUDA graphs",
                                           ".to(device) vs .cuda()"]
-    assert list(rows[0]) == ["claim", "what the guide promises", "measured here", "holds?"]
+    assert list(rows[0]) == ["claim", "what the guide promises", "measured here", "outcome"]
     assert [r["measured here"] for r in rows[:3]] == ["3.00× faster", "no difference > 3%",
                                                       "inconclusive: 1.05×, band 0.70–1.50×"]
-    assert [r["holds?"] for r in rows] == ["yes", "no: no difference > 3%",
-                                           "inconclusive: could not resolve a 3% effect", "not measured here",
-                                           "yes (behaviour)"]
+    # the protocol's outcomes: a resolved null is "no difference", noise "inconclusive", never "did not hold"
+    assert [r["outcome"] for r in rows] == ["faster", "no difference", "inconclusive", "not measured here",
+                                            "yes (behaviour)"]
+    assert findings.counts() == ("5 claims: 1 faster, 0 slower, 1 no difference, 1 inconclusive, 1 seen without a "
+                                 "timing (behaviour, costs), 1 not measured here")
     assert len(findings) == 5 and "compile · MLP" in findings and findings["TF32 matmuls"].holds == "yes"
     fig = findings.chart(title="t")
     assert isinstance(fig, matplotlib.figure.Figure)
@@ -586,3 +590,92 @@ def test_idle_gaps_and_ranges_of_a_step_with_a_forced_host_stall():
     longest = playbook.idle_gaps(profile.gpu_kernels(raw), ranges=ranges, top=1)[0]
     # the GPU waited for the matmul that the host launched in "after", once it had slept
     assert longest.duration_us >= 4_000 and longest.inside == "after"
+
+
+def test_a_partial_gain_reads_faster_under_the_promise():
+    findings = playbook.Findings()
+    findings.measured("tf32", comparison(1.5, ("fp32", "tf32")))
+    assert findings["TF32 matmuls"].outcome == "faster, under the promised 3×"
+
+
+def test_launch_bound_readings_carry_the_hosts_cost_per_launch():
+    # 20 kernels in a 1 ms step: 50 µs of host time per kernel, beside the costs measured apart
+    d = playbook.diagnose(gpu_profile(1000, [("vectorized_elementwise_kernel", 20, 5.0)]),
+                          launch_us={"ATen op": 4.2, "compiled call": 11.8})
+    assert d.per_kernel_us == pytest.approx(50.0)
+    assert "(host: 50 µs per kernel of this step; ATen op 4.2 µs; compiled call 11.8 µs on this CPU)" in str(d)
+    busy = playbook.diagnose(gpu_profile(1000, [("ampere_sgemm_128x64_nn", 3, 300.0)]), launch_us={"ATen op": 4.2})
+    assert busy.bound == "GPU-bound" and "host:" not in str(busy)  # only where the step waits for the host
+    cpu = playbook.diagnose(gpu_profile(1000, [("aten::addmm", 2, 100.0)], on_gpu=False))
+    assert cpu.bound == "overhead-bound" and "500 µs per operator of this step" in str(cpu)
+
+
+def tiny_workloads():
+    return playbook.workloads("cpu", amp=None)
+
+
+def test_workloads_and_their_step_train_a_fresh_copy():
+    work = tiny_workloads()
+    assert list(work) == ["MLP", "Transformer", "ResNet-50"]
+    mlp = work["MLP"]
+    before = [p.detach().clone() for p in mlp.model.parameters()]
+    step = mlp.step()
+    loss = step()
+    assert loss.ndim == 0 and torch.isfinite(loss)
+    assert all(torch.equal(a, b) for a, b in zip(before, mlp.model.parameters(), strict=True))  # initial weights kept
+    assert not all(torch.equal(a, b) for a, b in zip(before, step.model.parameters(), strict=True))
+    assert mlp.row()["parameter tensors"] == "4" and mlp.row()["optimizer"] == "Adam"
+    resnet = work["ResNet-50"]
+    resnet.layout = torch.channels_last
+    assert resnet.fresh().conv1.weight.is_contiguous(memory_format=torch.channels_last)
+    assert resnet.inputs().is_contiguous(memory_format=torch.channels_last)
+
+
+def test_same_first_step_accepts_an_equal_variant_and_rejects_another_batch():
+    mlp = tiny_workloads()["MLP"]
+    assert "computes the same first step" in playbook.same_first_step(mlp.step(), mlp.step(), mlp, what="v")
+    other = mlp.step()
+    shifted = playbook.within(contextlib.nullcontext, lambda: other(mlp.x + 1, mlp.y))
+    shifted.model = other.model
+    with pytest.raises(AssertionError, match="v: loss differs"):
+        playbook.same_first_step(shifted, mlp.step(), mlp, what="v")
+
+
+def test_same_gradients_checks_a_first_step_taken_elsewhere():
+    mlp = tiny_workloads()["MLP"]
+    taken = mlp.step()
+    with pytest.raises(AssertionError, match="holds no gradients"):
+        playbook.same_gradients(taken.model, mlp.step(), mlp, what="c")
+    taken()
+    assert "computes eager's first-step gradients" in playbook.same_gradients(taken.model, mlp.step(), mlp, what="c")
+    taken()  # a second step: other gradients
+    with pytest.raises(AssertionError, match="gradients differ"):
+        playbook.same_gradients(taken.model, mlp.step(), mlp, what="c")
+
+
+def test_within_runs_every_call_inside_the_context_and_keeps_attributes():
+    entered = []
+
+    @contextlib.contextmanager
+    def switch():
+        entered.append(True)
+        yield
+
+    def step():
+        return len(entered)
+
+    step.model = "m"
+    wrapped = playbook.within(switch, step)
+    assert wrapped() == 1 and wrapped() == 2 and wrapped.model == "m"
+
+
+def test_explain_by_profiles_prints_every_outcome(capsys):
+    mlp = tiny_workloads()["MLP"]
+    steps = {"a": mlp.step(), "b": mlp.step()}
+    c = bench.Comparison.from_rounds({"a": [1e-3] * 6, "b": [1e-3] * 6})  # a resolved null
+    findings = playbook.Findings()
+    findings.measured("set_to_none", c, label="x")
+    capsys.readouterr()
+    profiles = playbook.explain_by_profiles(findings, {"k": playbook.ToProfile(steps, c)}, steps=1, progress=False)
+    out = capsys.readouterr().out
+    assert set(profiles["k"]) == {"a", "b"} and out.startswith("x: no difference > 3% — ") and "operator" in out

@@ -55,6 +55,9 @@ def test_run_time_line_from_the_stamp():
         f"**Run time:** 2.1 min on one NVIDIA H200 with 16 CPU cores (reference run, 2026-11-28); {budget}")
     assert course.run_time_line({**stamp, "wall_s": 95.4, "gpus": 2, "cpus": None}) == (
         f"**Run time:** 95 s on 2 × NVIDIA H200 (reference run, 2026-11-28); {budget}")
+    assert course.run_time_line({**stamp, "shared_host": True}) == (
+        f"**Run time:** 2.1 min on one NVIDIA H200 with 16 CPU cores (reference run beside other notebooks, each on "
+        f"its own GPU, 2026-11-28); {budget}")
     unmeasured = f"**Run time:** not yet measured on a GPU by a reference run; {budget}"
     assert course.run_time_line(None) == unmeasured == course.RUN_TIME_UNMEASURED
     assert course.run_time_line({**stamp, "wall_s": None}) == unmeasured  # a stamp from before wall times

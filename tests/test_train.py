@@ -162,6 +162,78 @@ def test_chunked_loss_under_autocast_matches_the_plain_loss():
                                    train.lm_loss(model(x), y), rtol=1e-5, atol=1e-5)
 
 
+def _confident_head(vocab=1000, d=8, gap=18.0):
+    """A head whose logits put every word but word 0 `gap` below it: their probabilities are e^-18 ≈ 1.5e-8, so
+    their logits' gradients sit below half fp16's smallest subnormal (3e-8) at unit scale."""
+    torch.manual_seed(0)
+    head = nn.Linear(d, vocab)
+    with torch.no_grad():
+        head.weight.mul_(0.01)
+        head.bias.fill_(-gap)
+        head.bias[0] = 0.0
+    return head
+
+
+def _head_grad(head, features, targets, loss_fn, scale):
+    head.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = loss_fn()
+    (loss * scale).backward()  # as scaler.scale(loss).backward() does
+    return head.weight.grad / scale  # as scaler.unscale_ does
+
+
+def test_chunked_loss_made_at_the_loss_scale_keeps_fp16_gradients_that_underflow_without_it():
+    head, n = _confident_head(), 64
+    features, targets = torch.randn(n, 8, generator=torch.Generator().manual_seed(1)), torch.zeros(n, dtype=torch.long)
+    reference = torch.autograd.grad(train.lm_loss(head(features)[None], targets[None]), head.weight)[0]
+    rare = reference[1:]  # the rows of the 999 improbable words: p·mean(x), about 1e-8 each
+    assert (rare != 0).all()
+    scale = 2.0**16  # a GradScaler's initial scale
+
+    def chunked(grad_scale):
+        return _head_grad(head, features, targets, lambda: train.chunked_lm_loss(
+            features, head, targets, chunk_tokens=16, grad_scale=grad_scale), scale)[1:]
+
+    unprotected, protected = chunked(None), chunked(scale)
+    plain = _head_grad(head, features, targets, lambda: train.lm_loss(head(features)[None], targets[None]), scale)[1:]
+    assert (unprotected == 0).all()  # made at unit scale in forward: fp16 rounds every one of them to 0
+    assert (protected != 0).all() and (plain != 0).all()
+    def error(g):
+        return ((g - rare).norm() / rare.norm()).item()
+
+    assert error(unprotected) == 1.0 and error(protected) < 0.02  # survives, within fp16's rounding
+    assert abs(error(protected) - error(plain)) < 0.01  # as the plain loss does under the same scale
+
+
+def test_chunked_loss_fn_reads_the_scalers_scale_and_its_overflow_is_skipped():
+    model = tiny_lm(vocab=1000)
+    with torch.no_grad():  # a confident model: every word but word 0 has a probability of about 1.5e-8
+        model.head.bias.fill_(-18.0)
+        model.head.bias[0] = 0.0
+    x, y = data.synthetic_tokens(2, 16, 1000)
+    y.zero_()
+    rare = torch.autograd.grad(train.lm_loss(model(x), y), model.head.weight)[0][1:]
+    runs = {}
+    for name, init_scale, pass_scaler in (("scaler not passed", 2.0**16, False), ("scaler passed", 2.0**16, True),
+                                          ("too large a scale", 2.0**40, True)):
+        model.zero_grad(set_to_none=True)
+        scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+        loss_fn = train.chunked_loss_fn(chunk_tokens=8, scaler=scaler if pass_scaler else None)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = loss_fn(model, x, y)
+        scaler.scale(loss).backward()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+        scaler.unscale_(optimizer)
+        grad = model.head.weight.grad.clone()
+        scaler.step(optimizer)
+        scaler.update()
+        runs[name] = (((grad[1:] - rare).norm() / rare.norm()).item(), grad.isfinite().all().item(),
+                      scaler.get_scale())
+    assert runs["scaler not passed"][0] > 0.2  # fp16 lost or rounded most of them
+    assert runs["scaler passed"][0] < 0.02 and runs["scaler passed"][1:] == (True, 2.0**16)  # kept; none skipped
+    assert runs["too large a scale"][1:] == (False, 2.0**39)  # overflow, seen by the scaler: skipped, halved
+
+
 def test_train_step_takes_a_loss_fn():
     model = tiny_lm()
     x, y = data.synthetic_tokens(2, 16, 300)

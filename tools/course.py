@@ -106,7 +106,8 @@ def run_time_line(stamp: dict | None) -> str:
     "**Run time:** 2.1 min on one NVIDIA H200 with 16 CPU cores (reference run, 2026-11-28); on a CPU-only
     machine it is sized to finish within 2 minutes." Seconds under 2 minutes, minutes above; "2 × NVIDIA H200"
     for a notebook that used several GPUs; the CPU count where the stamp knows it. Without a stamp, or with one
-    from before wall times were recorded: :data:`RUN_TIME_UNMEASURED`.
+    from before wall times were recorded: :data:`RUN_TIME_UNMEASURED`. A stamp with ``"shared_host": true`` (the
+    notebook ran beside others on one host, each on its own GPU and CPU cores) says so.
     """
     if not stamp or stamp.get("wall_s") is None:
         return RUN_TIME_UNMEASURED
@@ -119,7 +120,8 @@ def run_time_line(stamp: dict | None) -> str:
         where = f"{gpus} × {stamp['gpu']}" if gpus > 1 else f"one {stamp['gpu']}"
     if stamp.get("cpus"):
         where += f" with {stamp['cpus']} CPU core{'s' if int(stamp['cpus']) != 1 else ''}"
-    return f"{RUN_TIME_LABEL} {took} on {where} (reference run, {stamp['date']}); {CPU_BUDGET}"
+    run = "reference run beside other notebooks, each on its own GPU" if stamp.get("shared_host") else "reference run"
+    return f"{RUN_TIME_LABEL} {took} on {where} ({run}, {stamp['date']}); {CPU_BUDGET}"
 
 
 def stamp_of(nb) -> dict | None:

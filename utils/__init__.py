@@ -7,6 +7,7 @@
 - ``profile`` torch.profiler: a step's kernels, busy vs idle GPU time, top kernels, Perfetto traces; after a
   profile, no timing in the same process
 - ``compile_cache`` cold and warm torch.compile caches: a fresh cache directory, graph-cache counts
+- ``compile`` torch.compile measured: generated kernels, first calls from cold caches, break-even, checks against eager
 - ``extension`` building the C++/CUDA extensions of ``csrc/`` (imported by the operators that need it)
 - ``memory``  allocated / reserved / peak memory, a block's peak, what autograd keeps for backward, byte formatting
 - ``memory_snapshot`` CUDA memory snapshots: recorded allocations, the timeline, who holds the peak
@@ -17,6 +18,7 @@
 - ``data``    MNIST (local → download → bundled sample), GPU-resident batches, synthetic data
 - ``models``  the small models the notebooks train
 - ``number_formats`` how fp32, TF32, fp16, bf16 and fp8 store a value: rounding, overflow, underflow
+- ``amp``     notebook 03's checks: what fp16 loses, do precisions train alike, the GradScaler's cost and loop rules
 - ``gpt2``    a readable GPT-2 (124M) with a static KV cache; real weights from the hub when online
 - ``gpt2_fused`` GPT-2's decode step in five Triton kernels per layer (``import utils.gpt2_fused``: it imports
   triton, which on a CPU must follow TRITON_INTERPRET=1)
@@ -35,8 +37,10 @@
 
 from utils import (
     allocator,
+    amp,
     bench,
     checkpointing,
+    compile,
     compile_cache,
     data,
     datasheets,
@@ -58,6 +62,6 @@ from utils import (
     train,
 )
 
-__all__ = ["allocator", "bench", "checkpointing", "compile_cache", "data", "datasheets", "distributed", "env",
-           "exercises", "explore", "gpt2", "memory", "memory_calculator", "memory_snapshot", "models",
-           "number_formats", "out_of_memory", "playbook", "plot", "profile", "results", "train"]
+__all__ = ["allocator", "amp", "bench", "checkpointing", "compile", "compile_cache", "data", "datasheets",
+           "distributed", "env", "exercises", "explore", "gpt2", "memory", "memory_calculator", "memory_snapshot",
+           "models", "number_formats", "out_of_memory", "playbook", "plot", "profile", "results", "train"]

@@ -166,3 +166,121 @@ def allocator_probe(variable: str | None, value: str = "expandable_segments:True
     warnings = [line.strip() for line in done.stderr.splitlines() if "ALLOC_CONF" in line]
     return ProbeResult(variable, value if variable else None, data["torch"], data["expandable_segments"],
                        data["rows"], warnings)
+
+
+def cache_demo(device: torch.device | str, *, mib: int = 512) -> tuple[list[dict[str, object]], str]:
+    """Allocated against reserved, step by step: a ``mib`` MiB tensor, ``del``, the same size again, ``del`` and
+    ``torch.cuda.empty_cache()``. Returns table rows (bytes formatted) and the sentence the numbers say: what
+    stayed reserved after ``del``, whether the second tensor came from the cache, what ``empty_cache()`` gave
+    back. On a CPU, with no caching allocator, the same steps read the process's RSS: the C library maps a block
+    this large straight from the operating system and returns it on ``free``, which the sentence checks."""
+    from utils.memory import memory_stats, release_memory
+
+    dev = get_device(device)
+    release_memory(dev)
+    rows: list[dict[str, int | str]] = []
+
+    def note(what: str) -> None:
+        stats = memory_stats(dev)
+        rows.append({"after": what, "allocated": stats.allocated_bytes, "reserved": stats.reserved_bytes})
+
+    note("clean start")
+    if dev.type != "cuda":
+        block = torch.ones(mib * MiB // 4)  # every page written
+        note(f"a {mib} MiB tensor, every page written")
+        del block
+        note("del")
+        start, held, freed = (int(r["reserved"]) for r in rows)
+        returned = held - freed > mib * MiB // 2
+        said = (f"CPU, no caching allocator: RSS {format_bytes(start)} → {format_bytes(held)} → {format_bytes(freed)}"
+                f" after del: {'given back to the operating system' if returned else 'kept by the C library'}.")
+    else:
+        block = torch.empty(mib * MiB, dtype=torch.uint8, device=dev)
+        note(f"block = torch.empty({mib} MiB)")
+        del block
+        note("del block")
+        block = torch.empty(mib * MiB, dtype=torch.uint8, device=dev)
+        note("the same size again")
+        del block
+        torch.cuda.empty_cache()
+        note("del block; empty_cache()")
+        start, _, freed, again, emptied = (int(r["reserved"]) for r in rows)
+        came = "came from the cache" if again == freed else f"changed reserved by {format_bytes(again - freed)}"
+        said = (f"After del, {format_bytes(freed - start)} more than at the start stayed reserved (cached, not given "
+                f"back); the same size again {came}; empty_cache() gave {format_bytes(again - emptied)} back.")
+    table = [{"after": r["after"], "allocated": format_bytes(int(r["allocated"])),
+              "reserved": format_bytes(int(r["reserved"]))} for r in rows]
+    return table, said
+
+
+def empty_cache_refills(nbytes: int, device: torch.device | str, *, calls: int = 20) -> int:
+    """Of ``calls`` rounds of ``empty_cache()`` then ``torch.empty(nbytes)``: how many made reserved memory grow,
+    i.e. asked the driver for a new segment (``cudaMalloc``) because ``empty_cache()`` had given the last one back.
+    Fewer than ``calls`` means the cache served the others: ``empty_cache()`` returns only segments with no live
+    tensor in them. CUDA only.
+
+    Raises:
+        RuntimeError: on a CPU.
+    """
+    dev = get_device(device)
+    if dev.type != "cuda":
+        raise RuntimeError("empty_cache_refills needs the CUDA caching allocator")
+    grew = 0
+    for _ in range(calls):
+        torch.cuda.empty_cache()
+        before = torch.cuda.memory_reserved(dev)
+        block = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+        grew += torch.cuda.memory_reserved(dev) > before
+        del block
+    return grew
+
+
+def probe_settings(*, timeout_s: float = 180.0) -> dict[str, ProbeResult]:
+    """:func:`allocator_probe` for the defaults and for ``expandable_segments:True`` through each variable of
+    :data:`ALLOC_CONF_VARS`, the child processes run side by side (each needs its own process: the allocator reads
+    its settings once). Keys: "no variable (defaults)" and the variables' names."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    settings = [None, *ALLOC_CONF_VARS]
+    with ThreadPoolExecutor(len(settings)) as pool:
+        done = list(pool.map(lambda v: allocator_probe(v, timeout_s=timeout_s), settings))
+    return {("no variable (defaults)" if v is None else v): p for v, p in zip(settings, done, strict=True)}
+
+
+def probe_rows(probes: dict[str, ProbeResult]) -> list[dict[str, object]]:
+    """Table rows of :func:`probe_settings`: the setting, whether expandable segments were in use, reserved
+    memory with the big tensor and after ``empty_cache()``, and the first warning the child printed."""
+    return [{"set": label if p.variable is None else f"{label}={p.value}",
+             "expandable segments in use": {True: "yes", False: "no", None: "unknown"}[p.expandable_segments],
+             "reserved with the big tensor": format_bytes(p.reserved_after("one tensor")),
+             "after empty_cache()": format_bytes(p.reserved_after("empty_cache")),
+             "warning": p.warnings[0][-70:] if p.warnings else "none"} for label, p in probes.items()]
+
+
+#: An expandable segment maps physical memory in pages of this size in the large pool (kLargeBuffer in
+#: CUDACachingAllocator.cpp).
+EXPANDABLE_PAGE = 20 * MiB
+
+
+def probe_summary(probes: dict[str, ProbeResult]) -> str:
+    """What the probes say, from their numbers: for each variable, honoured or ignored (and any warning); with
+    expandable segments, the reserved memory the big tensor needed against the defaults, and what stayed after
+    ``empty_cache()`` (whole :data:`EXPANDABLE_PAGE` pages)."""
+    lines = []
+    for name in ALLOC_CONF_VARS:
+        p = probes[name]
+        status = {True: "honoured", False: "IGNORED (no error)", None: "could not be read back"}[
+            p.expandable_segments]
+        lines.append(f"{name}={p.value}: {status} by PyTorch {p.torch_version}"
+                     + (f", with a warning: {p.warnings[0]}" if p.warnings else ", no warning"))
+    default = probes["no variable (defaults)"]
+    honoured = [p for name, p in probes.items() if name in ALLOC_CONF_VARS and p.expandable_segments]
+    if honoured:
+        on = honoured[0]
+        kept, pages = on.reserved_after("empty_cache"), -(-default.reserved_after("empty_cache") // EXPANDABLE_PAGE)
+        lines.append(f"With expandable segments the big tensor needed {format_bytes(on.reserved_after('one tensor'))}"
+                     f" reserved, against {format_bytes(default.reserved_after('one tensor'))} with the defaults; "
+                     f"after empty_cache() {format_bytes(kept)} stay"
+                     + (f": whole {format_bytes(EXPANDABLE_PAGE)} pages, {pages} of them." if kept
+                        == pages * EXPANDABLE_PAGE else "."))
+    return "\n".join(lines)

@@ -27,6 +27,14 @@ bf16, and the bias gradient comes back in fp32. (``torch.library.register_autoca
 every input to one dtype fixed when registering; this rule follows ``x`` instead, so fp16 autocast on a GPU
 without bf16 keeps fp16.) The raw launchers and the C++ operators keep requiring one dtype.
 
+What notebook 06 calls, each a lesson's one line: :func:`toolchain` (what can run here, and why not: no Triton, a
+GPU older than sm_70 or without bf16 in Triton, no C++ compiler or ninja, no nvcc, no GPU), :func:`import_triton`
+(Triton, or stand-ins whose kernels say why they cannot run), :func:`register_triton` (the reader's kernel wired
+into ``course::bias_gelu_triton`` and checked), :func:`build_cpp` (the C++ extension for this device, built and
+checked, or the reason it is skipped), :func:`traffic` (the bytes eager moves and a fused kernel must), and the
+checks :func:`check_outputs`, :func:`check_operator` and :func:`check_in_model`. A path that cannot run here is a
+:class:`Kernel` whose ``why_not`` says why; no later cell calls it.
+
 Triton: this module imports ``triton`` (when installed). On a machine without a GPU Triton can only run in its
 interpreter, which must be switched on *before* the first ``import triton`` in the process: set
 ``os.environ["TRITON_INTERPRET"] = "1"`` before importing this module. ``import utils`` does not import it.
@@ -39,6 +47,9 @@ import json
 import os
 import sys
 import textwrap
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -197,7 +208,10 @@ TRITON_INTERPRETED = triton is not None and os.environ.get("TRITON_INTERPRET") =
 
 
 def triton_configs() -> list:
-    """The autotuner's candidates: tile height x width and warps; one tile when interpreting (no tuning)."""
+    """The autotuner's candidates: tile height x width and warps; one tile when interpreting (no tuning); none
+    without Triton."""
+    if triton is None:
+        return []
     if TRITON_INTERPRETED:  # numpy runs each program: large tiles, nothing to tune
         return [triton.Config({"BLOCK_R": 64, "BLOCK_C": 1024})]
     return [triton.Config({"BLOCK_R": r, "BLOCK_C": c}, num_warps=w)
@@ -224,6 +238,10 @@ if triton is not None:
 
 else:  # pragma: no cover
     bias_gelu_kernel = None
+
+
+_CURRENT_TRITON = [bias_gelu_kernel]
+"""The Triton kernel ``course::bias_gelu_triton`` launches: this module's, or the reader's (:func:`register_triton`)."""
 
 
 def _require_triton(x: torch.Tensor) -> None:
@@ -308,7 +326,23 @@ def build_extension(kind: str, *, timeout_s: float = extension.DEFAULT_TIMEOUT_S
 
     Afterwards ``torch.ops.course_ext.bias_gelu_<kind>`` exists. See :func:`utils.extension.build`.
     """
-    return extension.build(extension_spec(kind, arch=arch), timeout_s=timeout_s, root=root)
+    library = extension.build(extension_spec(kind, arch=arch), timeout_s=timeout_s, root=root)
+    _register_raw_fakes(kind)
+    return library
+
+
+_RAW_FAKES: set[str] = set()
+
+
+def _register_raw_fakes(kind: str) -> None:
+    """Fake implementations of the raw ``course_ext`` operators, so that torch.compile can trace a call to them
+    (notebook 06 measures the Python layer of ``custom_op`` against them). Once per process."""
+    names = ["bias_gelu_cpu"] if kind == "cpu" else ["bias_gelu_cuda", "bias_gelu_cuda_variant"]
+    for name in names:
+        if name in _RAW_FAKES:
+            continue
+        torch.library.register_fake(f"course_ext::{name}")(lambda x, bias, *args: torch.empty_like(x))
+        _RAW_FAKES.add(name)
 
 
 def _loaded(kind: str) -> bool:
@@ -411,6 +445,8 @@ def ncu_report(rows: int, cols: int, dtype: torch.dtype, *, timeout_s: float = 3
     env.pop("TRITON_INTERPRET", None)
     args = json.dumps({"rows": rows, "cols": cols, "dtype": str(dtype).removeprefix("torch.")})
     log = BUILD_ROOT / "ncu" / "bias_gelu.log"
+    print(f"Nsight Compute: one call of each kernel, in a child process (about half a minute; at most "
+          f"{timeout_s:.0f} s) ...", flush=True)
     launches = extension.run_ncu([sys.executable, "-c", _NCU_CHILD, args], metrics=NCU_METRICS,
                                  timeout_s=timeout_s, env=env, log_path=log, profile_from_start=False)
     labels = json.loads(next(line for line in log.read_text().splitlines() if line.startswith("LABELS "))[7:])
@@ -486,7 +522,7 @@ def bias_gelu_triton(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """
     bias = _bias_like_x(x, bias)
     _require_triton(x)
-    return _triton_forward(x, bias, torch.library.wrap_triton(bias_gelu_kernel))
+    return _triton_forward(x, bias, torch.library.wrap_triton(_CURRENT_TRITON[0]))
 
 
 def gelu_tanh_grad(z: torch.Tensor) -> torch.Tensor:
@@ -512,15 +548,443 @@ bias_gelu_triton.register_autograd(_backward, setup_context=_setup_context)
 
 
 def source_of(obj) -> str:
-    """The Python source of a function or a Triton kernel (for the notebook to print)."""
+    """The Python source of a function or a Triton kernel (tests compare the notebook's kernel with this module's)."""
     fn = obj
     while hasattr(fn, "fn"):  # Autotuner → JITFunction / InterpretedFunction → the Python function
         fn = fn.fn
     return textwrap.dedent(inspect.getsource(fn))
 
 
-def operators_source() -> str:
-    """The source of section 4 of this module: the two operators, their fake implementation and autograd."""
-    text = inspect.getsource(sys.modules[__name__])
-    start = text.index("def _bias_like_x(")
-    return text[start:text.index("def source_of(")].rstrip() + "\n"
+def cuda_excerpt(path: Path = CSRC / "bias_gelu.cu") -> str:
+    """The part of the CUDA file a lesson shows: the lines between ``// [lesson: ...]`` and ``// [end lesson]``."""
+    lines = Path(path).read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("// [lesson:"))
+    end = next(i for i, line in enumerate(lines) if line.startswith("// [end lesson]"))
+    return "\n".join(lines[start + 1:end]).strip("\n") + "\n"
+
+
+# ── 5 · What notebook 06 calls: what runs here, the reader's kernel wired in, the checks ─────────────────────
+
+
+class MissingKernel:
+    """What ``@triton.jit`` gives where Triton cannot run (:func:`import_triton`): launching it raises the reason."""
+
+    def __init__(self, why_not: str) -> None:
+        self.why_not = why_not
+
+    def __getitem__(self, grid):
+        raise RuntimeError(f"this Triton kernel cannot run here: {self.why_not}")
+
+
+class _StandIn:
+    """A stand-in for ``triton`` or ``triton.language`` where Triton is not installed: the decorators return a
+    :class:`MissingKernel`, and any other name (``tl.constexpr`` in a signature) is a harmless placeholder."""
+
+    def __init__(self, why_not: str) -> None:
+        self._why_not = why_not
+
+    def jit(self, fn=None, **options):
+        return MissingKernel(self._why_not) if fn is not None else (lambda f: MissingKernel(self._why_not))
+
+    def autotune(self, *args, **kwargs):
+        return lambda kernel: kernel if isinstance(kernel, MissingKernel) else MissingKernel(self._why_not)
+
+    heuristics = autotune
+
+    def __getattr__(self, name: str):
+        return object
+
+
+TRITON_MISSING = "Triton is not installed (it ships for Linux; pip install triton)"
+
+
+def import_triton():
+    """``(triton, triton.language)``, or where Triton is not installed (macOS, Windows) two stand-ins: a kernel
+    cell still runs, and its kernel is a :class:`MissingKernel` that says why it cannot run."""
+    if triton is None:
+        return _StandIn(TRITON_MISSING), _StandIn(TRITON_MISSING)
+    return triton, tl
+
+
+def triton_dtypes(device: torch.device | str) -> tuple[torch.dtype, ...]:
+    """The dtypes the Triton kernel can run in on ``device``: no bf16 in the CPU interpreter (numpy has none) or
+    on a GPU before sm_80 (Triton has no bf16 there, e.g. on a T4, sm_75)."""
+    device = torch.device(device)
+    if device.type == "cpu" or torch.cuda.get_device_capability(device) < (8, 0):
+        return (torch.float32, torch.float16)
+    return SUPPORTED_DTYPES
+
+
+def _dtype_names(dtypes) -> str:
+    return ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+
+
+@dataclass(frozen=True)
+class Toolchain:
+    """What can run on this machine for notebook 06, each path with the reason it cannot (None: it can)."""
+
+    device: torch.device
+    triton_why_not: str | None
+    triton_dtypes: tuple[torch.dtype, ...]
+    cpp_kind: str  # "cpu" or "cuda": the C++ extension for this device's tensors
+    cpp_why_not: str | None
+    compile_why_not: str | None  # torch.compile here (on a CPU, Inductor generates C++; on a GPU, Triton)
+    dtype: torch.dtype = torch.float32  # the notebook's activation dtype: bf16 where native, fp16 before sm_80
+
+    def rows(self) -> list[dict[str, str]]:
+        arch = "" if self.device.type == "cpu" else f" for sm_{''.join(map(str, torch.cuda.get_device_capability()))}"
+        mode = "its CPU interpreter" if self.device.type == "cpu" else f"compiled{arch}"
+        return [
+            {"path": "Triton kernel", "here": f"skipped: {self.triton_why_not}" if self.triton_why_not else
+             f"{mode}, in {_dtype_names(self.triton_dtypes)}"},
+            {"path": f"C++ extension ({self.cpp_kind})", "here": f"skipped: {self.cpp_why_not}" if self.cpp_why_not
+             else "built below (or loaded from an earlier build)"},
+            {"path": "torch.compile", "here": f"skipped: {self.compile_why_not}" if self.compile_why_not else "yes"},
+        ]
+
+    def table(self) -> None:
+        from utils.plot import table
+
+        table(self.rows(), title=f"What runs on {self.device}")
+
+
+def toolchain(device: torch.device | str) -> Toolchain:
+    """Detect what notebook 06 can run on ``device`` and why not, in words: Triton (installed; compute capability
+    7.0+; on a CPU only its interpreter, TRITON_INTERPRET=1 before the first import), the dtypes it runs in, the C++
+    extension for this device's tensors (:func:`utils.extension.why_not_buildable`: a compiler, ninja, and for
+    CUDA nvcc; an earlier build needs none of them), and torch.compile (a C++ compiler on a CPU, Triton on a GPU)."""
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    cc = torch.cuda.get_device_capability(device) if cuda else None
+    if triton is None:
+        triton_why = TRITON_MISSING
+    elif cuda and TRITON_INTERPRETED:
+        triton_why = "TRITON_INTERPRET=1 is set: Triton would run its CPU interpreter, not this GPU"
+    elif cuda and cc < (7, 0):
+        triton_why = f"Triton needs compute capability 7.0 or newer, this GPU is sm_{cc[0]}{cc[1]}"
+    elif not cuda and not TRITON_INTERPRETED:
+        triton_why = ("on a CPU Triton runs only in its interpreter, switched on by TRITON_INTERPRET=1 before the "
+                      "first `import triton`: restart the kernel and run from the top")
+    else:
+        triton_why = None
+    kind = "cuda" if cuda else "cpu"
+    built = False
+    try:
+        spec = extension_spec(kind)
+        built = (extension.build_directory(spec) / "build.ok").exists() and extension.library_path(spec).exists()
+    except (ValueError, RuntimeError, AssertionError):
+        pass
+    cpp_why = None if built else extension.why_not_buildable(cuda=cuda)
+    if cuda and triton is None:
+        compile_why = "on a GPU Inductor generates Triton, and Triton is not installed"
+    elif cuda and cc < (7, 0):
+        compile_why = f"Inductor's Triton needs compute capability 7.0 or newer, this GPU is sm_{cc[0]}{cc[1]}"
+    elif cuda:
+        compile_why = None
+    else:
+        compile_why = None if extension.find_cxx() else "on a CPU Inductor generates C++, and no C++ compiler is here"
+    dtype = torch.float32 if not cuda else torch.bfloat16 if cc >= (8, 0) else torch.float16
+    return Toolchain(device, triton_why, triton_dtypes(device) if triton_why is None else (), kind, cpp_why,
+                     compile_why, dtype)
+
+
+@dataclass
+class Kernel:
+    """One implementation of bias + GELU as it stands on this machine: a plain launcher (check, allocate, launch),
+    its ``torch.library`` operator, and ``why_not`` where it cannot run (then both are None)."""
+
+    name: str
+    launch: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    op: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    why_not: str | None = None
+    dtypes: tuple[torch.dtype, ...] = ()
+    checks: list[dict[str, str]] = field(default_factory=list)
+
+    @property
+    def available(self) -> bool:
+        return self.why_not is None
+
+
+def check_kernel(launch, device: torch.device | str, dtypes, *, shape=(1823, 781),
+                 name: str = "kernel") -> list[dict[str, str]]:
+    """Run ``launch(x, bias)`` on an irregular shape, and on a view one element into its allocation (not 16-byte
+    aligned), in each dtype, against :func:`reference` in float32 from the same inputs, within :func:`tolerance`.
+    Rows for a table, with eager's own error (it rounds twice) beside.
+
+    Raises:
+        ValueError: where an output differs, naming the dtype, the input and the largest error.
+    """
+    if not dtypes:
+        raise ValueError(f"{name}: no dtype to check: a check that checks nothing must not pass")
+    rows = []
+    for dt in dtypes:
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(shape, generator=gen).to(device, dt)
+        b = torch.randn(shape[-1], generator=gen).to(device, dt)
+        shifted = torch.empty(x.numel() + 1, device=device, dtype=dt)[1:].view(shape).copy_(x)
+        ref = reference(x.float(), b.float())
+        errors = []
+        for what, inp in (("aligned", x), ("offset by one element", shifted)):
+            err = (launch(inp, b).float() - ref).abs()
+            try:
+                torch.testing.assert_close(launch(inp, b).float(), ref, **tolerance(dt))
+            except AssertionError:
+                raise ValueError(f"{name} differs from the float32 reference in {dt} on x {list(shape)} "
+                                 f"({what}): largest error {err.max():.3g}, tolerance {tolerance(dt)}") from None
+            errors.append(err.max().item())
+        rows.append({"kernel": name, "dtype": str(dt).removeprefix("torch."), "aligned + offset": "✓",
+                     "max |error|": f"{max(errors):.1e}",
+                     "tolerance": f"{tolerance(dt)['rtol']:.0e} × |expected| + {tolerance(dt)['atol']:.0e}",
+                     "eager's max |error|": f"{(reference(x, b).float() - ref).abs().max():.1e}"})
+    return rows
+
+
+def register_triton(kernel, kit: Toolchain, *, example: tuple[torch.Tensor, torch.Tensor] | None = None) -> Kernel:
+    """Wire a Triton kernel with the signature of this module's ``bias_gelu_kernel`` into a launcher and into the
+    operator ``course::bias_gelu_triton`` (``torch.library.triton_op``, fake implementation, autograd), then check
+    it (:func:`check_kernel`, in the dtypes Triton runs in here) and print the checks. With ``example``, its first
+    call there is timed apart (compiling and autotuning every configuration). Calling it again with an edited
+    kernel replaces the one the operator launches.
+
+    Returns a :class:`Kernel`; where Triton cannot run here, one whose ``why_not`` says why (printed).
+
+    Raises:
+        ValueError: the kernel's output differs from the reference (see :func:`check_kernel`).
+    """
+    why = kit.triton_why_not or getattr(kernel, "why_not", None)
+    if why:
+        print(f"Triton kernel: skipped, {why}")
+        return Kernel("Triton", why_not=why)
+    _CURRENT_TRITON[0] = kernel
+
+    def launch(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        check_inputs(x, bias)
+        _require_triton(x)
+        return _triton_forward(x, bias, kernel)
+
+    rows = check_kernel(launch, kit.device, kit.triton_dtypes, name="Triton")
+    from utils.plot import table
+
+    table(rows, title=f"Triton against the float32 reference, x [1823, 781] on {kit.device}")
+    if example is not None:
+        start = time.perf_counter()
+        launch(*example)
+        if kit.device.type == "cuda":
+            torch.cuda.synchronize(kit.device)
+        configs, chosen = getattr(kernel, "configs", []), getattr(kernel, "best_config", None)
+        how = ("interpreted" if TRITON_INTERPRETED else f"compiling and timing {len(configs)} tile configurations"
+               if len(configs) > 1 else "compiling it")
+        tile = (f"; chosen: BLOCK_R={chosen.kwargs.get('BLOCK_R')}, BLOCK_C={chosen.kwargs.get('BLOCK_C')}, "
+                f"{chosen.num_warps} warps" if chosen is not None and len(configs) > 1 else "")
+        print(f"First call on x {list(example[0].shape)}: {time.perf_counter() - start:.2f} s ({how}){tile}. Later "
+              "calls with this shape reuse it.")
+    return Kernel("Triton", launch, bias_gelu_triton, None, kit.triton_dtypes, rows)
+
+
+def build_cpp(kit: Toolchain, *, timeout_s: float = 600.0) -> Kernel:
+    """Build (or load an earlier build of) the C++ extension for this device's tensors, check its kernel in every
+    dtype (:func:`check_kernel`) and print what happened. Where it cannot build, or the build fails, print why
+    and return a :class:`Kernel` whose ``why_not`` says so: no later cell calls it."""
+    name = f"C++ ({kit.cpp_kind})"
+    if kit.cpp_why_not:
+        print(f"{name}: skipped, {kit.cpp_why_not}")
+        return Kernel(name, why_not=kit.cpp_why_not)
+    spec = extension_spec(kit.cpp_kind)
+    directory = extension.build_directory(spec)
+    was_built = (directory / "build.ok").exists()
+    if not was_built:
+        print(f"{spec.name}: compiling {', '.join(p.name for p in spec.sources)} (a minute or two the first time; "
+              "later runs load the build) ...", flush=True)
+    start = time.perf_counter()
+    try:
+        build_extension(kit.cpp_kind, timeout_s=timeout_s)
+    except (RuntimeError, TimeoutError) as err:
+        print(f"{name}: the build failed, so its kernel is skipped below:\n{err}")
+        return Kernel(name, why_not=f"the build failed ({str(err).splitlines()[0][:120]})")
+    print(f"{spec.name}: {'loaded an earlier build' if was_built else 'compiled'} in "
+          f"{time.perf_counter() - start:.1f} s, from {', '.join(p.name for p in spec.sources)} for "
+          f"{spec.arch and 'sm_' + spec.arch.replace('.', '') or 'this CPU'}, in {directory.relative_to(REPO_ROOT)}")
+    launch = bias_gelu_cuda if kit.cpp_kind == "cuda" else bias_gelu_cpu
+    rows = check_kernel(launch, kit.device, SUPPORTED_DTYPES, name=name)
+    from utils.plot import table
+
+    table(rows, title=f"{name} against the float32 reference, x [1823, 781]")
+    return Kernel(name, launch, bias_gelu_cpp, None, SUPPORTED_DTYPES, rows)
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """The bytes eager bias + GELU moves, operator by operator (:func:`operator_bytes`), and those a fused kernel
+    must move (:func:`bytes_moved`)."""
+
+    ops: list[dict[str, object]]
+    fused_bytes: int
+
+    @property
+    def eager_bytes(self) -> int:
+        return sum(op["read_bytes"] + op["written_bytes"] for op in self.ops)
+
+    @property
+    def ratio(self) -> float:
+        return self.eager_bytes / self.fused_bytes
+
+    def table(self, title: str | None = None) -> None:
+        from utils.plot import table
+
+        table([{"operator": op["operator"], "inputs": op["inputs"], "output": op["output dtype"],
+                "reads": f"{op['read_bytes'] / 1e6:,.1f} MB", "writes": f"{op['written_bytes'] / 1e6:,.1f} MB"}
+               for op in self.ops], title=title)
+        print(self)
+
+    def __str__(self) -> str:
+        return (f"eager runs {' → '.join(str(op['operator']).removeprefix('aten::') for op in self.ops)} and moves "
+                f"{self.eager_bytes / 1e6:,.1f} MB; a fused kernel must move {self.fused_bytes / 1e6:,.1f} MB (read x "
+                f"and bias once, write out once): {self.ratio:.2f}× fewer bytes.")
+
+    def parts(self, comparison, name: str, eager: str = "eager") -> str:
+        """How ``name``'s speed-up over eager in ``comparison`` splits into fewer bytes and a faster stream, both
+        measured: speed-up = bytes ratio × (the kernel's rate / eager's rate, each for the bytes it really moves).
+        The comparison's rates must be for :attr:`fused_bytes`, its limit the copy bandwidth."""
+        speedup = comparison.speedup(name, against=eager)
+        eager_real = self.eager_bytes / comparison.time_s(eager) / 1e9
+        pct = (lambda gbps: f"{100 * gbps / comparison.limit:.0f}%") if comparison.limit else (lambda g: f"{g:,.0f}")
+        return (f"{name}: {speedup:.2f}× eager = {self.ratio:.2f}× fewer bytes × {speedup / self.ratio:.2f}× the "
+                f"rate (it streams at {pct(comparison.rate(name))} of copy bandwidth, eager's kernels at "
+                f"{pct(eager_real)} for the bytes they move)")
+
+
+def traffic(x: torch.Tensor, bias: torch.Tensor, *, autocast: torch.dtype | None = None) -> Traffic:
+    """Count what eager bias + GELU moves on ``x`` and ``bias`` (under ``torch.autocast`` to ``autocast`` if given,
+    where ``add`` promotes a 16-bit x and an fp32 bias to fp32), against what a fused kernel must move."""
+    with torch.autocast(x.device.type, dtype=autocast or torch.float32, enabled=autocast is not None):
+        ops = operator_bytes(lambda: reference(x, bias))
+    fused = bytes_moved(x, bias) if autocast is None else 2 * x.numel() * x.element_size() + bias.numel() * 2
+    return Traffic(ops, fused)
+
+
+def check_outputs(fns: Mapping[str, Callable[[], torch.Tensor]], x: torch.Tensor, bias: torch.Tensor,
+                  *, roundings: Mapping[str, int] | None = None) -> str:
+    """Check every ``fns[name]()`` against :func:`reference` in float32 of ``x`` and ``bias``, within
+    :func:`tolerance` (``roundings``: 2 for eager-like code that rounds ``x + bias`` first; default 1). Returns
+    what was checked, for a notebook to print.
+
+    Raises:
+        ValueError: naming the first variant that differs.
+    """
+    ref = reference(x.float(), bias.float())
+    for name, fn in fns.items():
+        tol = tolerance(x.dtype, roundings=(roundings or {}).get(name, 1))
+        try:
+            torch.testing.assert_close(fn().float(), ref, **tol)
+        except AssertionError as err:
+            raise ValueError(f"{name} differs from the float32 reference: {str(err).splitlines()[0]}") from None
+    return (f"All {len(fns)} match the float32 reference on x {list(x.shape)} "
+            f"(utils.bias_gelu.tolerance: rtol {tolerance(x.dtype)['rtol']:.0e} for {str(x.dtype)[6:]}).")
+
+
+def check_operator(op, device: torch.device | str, dtypes) -> dict[str, str]:
+    """``torch.library.opcheck`` on three samples (float32 with gradients; ``dtypes[-1]`` on a 3-D x; a 16-bit x
+    with a float32 bias and gradients, as under autocast), then the gradients against PyTorch's autograd through
+    :func:`reference` in float32. One row for a table.
+
+    Raises:
+        AssertionError: a test of opcheck failed, or a gradient differs (rtol = atol = 1e-4).
+    """
+    device = torch.device(device)
+    low = dtypes[-1]
+    samples = [(torch.randn(8, 40, device=device, requires_grad=True), torch.randn(40, device=device,
+                                                                                   requires_grad=True)),
+               (torch.randn(2, 3, 24, device=device, dtype=low), torch.randn(24, device=device, dtype=low))]
+    if low != torch.float32:
+        samples.append((torch.randn(8, 40, device=device, dtype=low, requires_grad=True),
+                        torch.randn(40, device=device, requires_grad=True)))
+    tests = 0
+    for args in samples:
+        report = torch.library.opcheck(op, args)
+        assert all(v == "SUCCESS" for v in report.values()), report
+        tests += len(report)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(257, 781, generator=gen).to(device).requires_grad_()
+    b = torch.randn(781, generator=gen).to(device).requires_grad_()
+    upstream = torch.randn(257, 781, generator=gen).to(device)
+    want = torch.autograd.grad(reference(x, b), (x, b), upstream)
+    got = torch.autograd.grad(op(x, b), (x, b), upstream)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+    return {"operator": str(op._qualname if hasattr(op, "_qualname") else op), "opcheck": f"{tests} tests passed "
+            f"on {len(samples)} samples", "d/dx max |error|": f"{(got[0] - want[0]).abs().max():.1e}",
+            "d/dbias max |error|": f"{(got[1] - want[1]).abs().max():.1e}"}
+
+
+def check_in_model(make_block: Callable[[Callable], torch.nn.Module], op, h: torch.Tensor, *, compiled: bool,
+                   amp_dtype: torch.dtype | None = None) -> dict[str, str]:
+    """Forward and backward of ``make_block(op)`` (optionally ``torch.compile(..., fullgraph=True)``, optionally
+    under ``torch.autocast`` to ``amp_dtype``) against ``make_block(reference)`` in eager, from the same weights.
+    Returns a row for a table; the first call's seconds include the compile.
+
+    Raises:
+        AssertionError: outputs or gradients differ (float32: rtol 1e-4; autocast: within 2% of the largest value).
+    """
+    import warnings
+
+    def run(act, compile_it):
+        torch.manual_seed(0)
+        block = make_block(act).to(h.device)
+        fn = torch.compile(block, fullgraph=True) if compile_it else block
+        start = time.perf_counter()
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*TensorFloat32")
+            with torch.autocast(h.device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
+                out = fn(h)
+            out.float().square().sum().backward()
+        if h.device.type == "cuda":
+            torch.cuda.synchronize(h.device)
+        return out, dict(block.named_parameters()), time.perf_counter() - start
+
+    ref_out, ref_params, _ = run(reference, False)
+    out, params, seconds = run(op, compiled)
+    if amp_dtype is None:
+        torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-5)
+        for name, p in params.items():
+            torch.testing.assert_close(p.grad, ref_params[name].grad, rtol=1e-3, atol=1e-3)
+    else:
+        for got, want in ((out.float(), ref_out.float()), (params["bias"].grad, ref_params["bias"].grad)):
+            torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+    return {"operator": str(getattr(op, "_qualname", getattr(op, "__name__", op))),
+            "run": ("compiled, fullgraph" if compiled else "eager") + (f", autocast {str(amp_dtype)[6:]}"
+                                                                        if amp_dtype else ", float32"),
+            "first call (fwd + bwd)": f"{seconds:.1f} s", "output dtype": str(out.dtype)[6:],
+            "bias grad dtype": str(params["bias"].grad.dtype)[6:],
+            "max |out − eager's|": f"{(out.float() - ref_out.float()).abs().max():.1e}", "matches eager": "✓"}
+
+
+def issue_budget(sm_count: int, sm_clock_mhz: float, copy_gbps: float, element_size: int) -> float:
+    """Instructions per element the SMs can issue while the copy bandwidth moves one element of bias + GELU (read
+    and write: 2 × ``element_size`` bytes): ``sm_count`` × 4 schedulers × 32 threads × the SM clock, over the
+    elements per second. A kernel that needs a good share of it cannot keep enough loads in flight."""
+    return sm_count * 4 * 32 * sm_clock_mhz * 1e6 / (copy_gbps * 1e9 / (2 * element_size))
+
+
+def math_accuracy(device: torch.device | str = "cuda") -> list[dict[str, str]]:
+    """What each CUDA version's math costs in accuracy (:data:`CUDA_VARIANTS`): the largest relative error against
+    :func:`reference_exact` (float64, of the inputs the kernel sees) on z from −8 to 4, in float32 and bf16, and
+    the share of bf16 outputs bit-identical to the precise version's. Rows for a table; needs the CUDA extension.
+
+    Expect: ``rows`` as accurate as the first version (the same bits), ``rows + fast exp`` a few float32 ulps off
+    and nearly all bf16 bits the same, ``rows + tanh.approx`` many percent off in the negative tail (``1 + tanh u``
+    cancels), which is why ``bias_gelu_cuda`` never uses it."""
+    z = torch.linspace(-8, 4, 120_001, device=device)[None]
+    zero = torch.zeros(z.shape[-1], device=device)
+    precise = bias_gelu_cuda_variant(z.bfloat16(), zero.bfloat16(), "rows")
+    rows = []
+    for name in CUDA_VARIANTS:
+        row = {"version": name}
+        for dt in (torch.float32, torch.bfloat16):
+            exact = reference_exact(z.to(dt), zero)
+            out = bias_gelu_cuda_variant(z.to(dt), zero.to(dt), name).double()
+            rel = ((out - exact).abs() / exact.abs())[exact.abs() > 1e-30]
+            row[f"{str(dt).removeprefix('torch.')} max rel. error"] = f"{rel.max():.1e}"
+        same = (bias_gelu_cuda_variant(z.bfloat16(), zero.bfloat16(), name) == precise).float().mean()
+        row["bf16 bits = precise's"] = f"{same:.2%}"
+        rows.append(row)
+    return rows

@@ -173,3 +173,55 @@ class ActivationCheckpointing:
         if not self.selective:
             return []
         return [op_name(op) for op in self.save if self.saved[op] == 0]  # type: ignore[union-attr]
+
+
+def count_recomputation(modules: Iterable[torch.nn.Module], run: Any,
+                        policies: dict[str, Iterable[Any] | None]) -> dict[str, dict[str, object]]:
+    """For each policy (name → the ``save`` of :class:`ActivationCheckpointing`: None for full checkpointing, or
+    the operators to keep), run ``run()`` — a forward and backward pass — with ``modules`` checkpointed under it,
+    and count what backward recomputed. Returns name → a table row: the matmuls and the operators recomputed
+    (views left out), and the names the policy gave that matched no operator."""
+    modules = list(modules)
+    rows: dict[str, dict[str, object]] = {}
+    for name, save in policies.items():
+        ac = ActivationCheckpointing(modules, save=save)
+        with ac:
+            run()
+        rows[name] = {"policy": name, "matmuls recomputed": ac.recomputed_matmuls(),
+                      "operators recomputed": ac.recomputed_compute_ops(),
+                      "named but never matched": ", ".join(ac.unmatched()) or "—"}
+    return rows
+
+
+def check_policies(rows: dict[str, dict[str, object]], *, full: str, selective: str, slip: str | None = None) -> str:
+    """Read :func:`count_recomputation`'s rows: full checkpointing must recompute matmuls, a policy that keeps them
+    (``selective``) none, and a policy with the classic slip (``slip``: packets such as ``torch.ops.aten.mm``
+    where the policy receives overloads) exactly as many as full checkpointing — it matches nothing. Returns the
+    sentence that says what was checked.
+
+    Raises:
+        AssertionError: when a count says otherwise.
+    """
+    matmuls = {name: int(row["matmuls recomputed"]) for name, row in rows.items()}  # type: ignore[call-overload]
+    assert matmuls[full] > 0, f"{full}: backward recomputed no matmul, so nothing was checkpointed"
+    assert matmuls[selective] == 0, f"{selective}: backward recomputed {matmuls[selective]} matmuls it should keep"
+    text = (f"✅ {selective}: no matmul recomputed, against {matmuls[full]} under {full}, and "
+            f"{rows[selective]['operators recomputed']} of {rows[full]['operators recomputed']} operators.")
+    if slip is not None:
+        assert matmuls[slip] == matmuls[full], (f"{slip}: {matmuls[slip]} matmuls recomputed, not the "
+                                                f"{matmuls[full]} of full checkpointing")
+        text += (f" {slip}: matches nothing, so it recomputes all {matmuls[slip]} matmuls, as full checkpointing "
+                 "does, without an error: count what a policy recomputes.")
+    return text
+
+
+def record_overhead(comparison: Any, figures: dict[str, str], *, against: str | None = None) -> None:
+    """Record each variant's step-time overhead over ``against`` (default: the comparison's baseline), in percent,
+    from the same rounds: ``100 × (1 / speed-up − 1)`` with the verdict's band, e.g.
+    ``record_overhead(steps, {"checkpointing_step_overhead_pct": "checkpointing"})`` (``utils.results.record``)."""
+    from utils import results
+
+    for name, variant in figures.items():
+        v = comparison.verdict(variant, against=against)
+        low, high = v.band
+        results.record(name, 100 * (1 / v.speedup - 1), "%", band=(100 * (1 / high - 1), 100 * (1 / low - 1)))

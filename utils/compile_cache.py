@@ -114,6 +114,14 @@ class ColdCache:
         """The files the compiles wrote into the cache so far."""
         return [p for p in self.directory.rglob("*") if p.is_file()]
 
+    def size_bytes(self) -> int:
+        """Bytes of the files in the cache now (a file that a compile worker removes meanwhile counts as 0)."""
+        total = 0
+        for p in self.files():
+            with contextlib.suppress(FileNotFoundError):
+                total += p.stat().st_size
+        return total
+
 
 @contextlib.contextmanager
 def cold(*, keep: bool = False, keep_compiled: bool = False,

@@ -18,6 +18,12 @@ four decisions:
   dies); holding it means no other build of the directory runs, so a ``lock`` file found then is stale and goes.
   Without ``fcntl`` (Windows) the guard cannot know that: it says so, and leaves the lock alone.
 
+Before building, :func:`why_not_buildable` says what this machine lacks for a spec, in words: a C++ compiler
+(``$CXX`` or ``c++``, what ``torch.utils.cpp_extension`` calls), ``ninja`` (its build tool: ``pip install ninja``,
+listed in requirements.txt; found on PATH or beside this Python), and for CUDA sources a CUDA build of PyTorch and
+``nvcc`` (the CUDA toolkit, which a pip-only install lacks). A notebook prints that reason and skips every cell that
+would call the extension, instead of failing later.
+
 To look inside a CUDA build: :func:`ptxas_usage` reads the registers and spills of every kernel from the build
 log (the specs of this course pass ``-Xptxas=-v``), and :func:`run_ncu` runs Nsight Compute on a command and
 returns the metrics of the kernels it launched.
@@ -103,6 +109,41 @@ def cuda_arch(device: torch.device | str | int | None = None) -> str:
     """``TORCH_CUDA_ARCH_LIST`` for the detected GPU only, e.g. "9.0" on an H100 or H200 (sm_90)."""
     major, minor = torch.cuda.get_device_capability(device)
     return f"{major}.{minor}"
+
+
+def find_cxx() -> str | None:
+    """The C++ compiler ``torch.utils.cpp_extension`` runs (``$CXX``, else ``c++``), or None when it is missing."""
+    return shutil.which(os.environ.get("CXX", "c++"))
+
+
+def find_ninja() -> str | None:
+    """``ninja``, which ``torch.utils.cpp_extension.load`` needs: on PATH, else beside this Python (``pip install
+    ninja`` puts it in the environment's bin/, which is not on PATH unless the environment is activated), else None."""
+    exe = shutil.which("ninja")
+    if exe:
+        return exe
+    beside = Path(sys.executable).parent / ("ninja.exe" if sys.platform == "win32" else "ninja")
+    return str(beside) if beside.is_file() else None
+
+
+def why_not_buildable(spec: ExtensionSpec | None = None, *, cuda: bool | None = None) -> str | None:
+    """Why ``spec`` (or, with ``cuda=``, any C++ or CUDA extension) cannot be built on this machine, in words; None
+    when the tools are there. Checks, in order: a C++ compiler, ninja, and for CUDA sources a CUDA build of
+    PyTorch and nvcc. (A CUDA GPU is not needed to build, only to run: the caller checks that.)"""
+    cuda = spec.uses_cuda if cuda is None else cuda
+    if find_cxx() is None:
+        return f"no C++ compiler ({os.environ.get('CXX', 'c++')} is not on PATH): install g++ or clang"
+    if find_ninja() is None:
+        return "no ninja, the build tool of torch.utils.cpp_extension: pip install ninja (requirements.txt lists it)"
+    if cuda:
+        from utils.env import find_nvcc
+
+        if torch.version.cuda is None:
+            return "this PyTorch is built without CUDA"
+        if find_nvcc() is None:
+            return ("no nvcc: PyTorch's pip wheels bring the CUDA runtime, not the compiler; install the CUDA "
+                    "toolkit (or set CUDA_HOME) to build CUDA C++")
+    return None
 
 
 def build_directory(spec: ExtensionSpec, root: Path = BUILD_ROOT) -> Path:
@@ -209,9 +250,10 @@ def build(spec: ExtensionSpec, *, timeout_s: float = DEFAULT_TIMEOUT_S, root: Pa
 
     Raises:
         TimeoutError: the build did not finish in time.
-        RuntimeError: the build failed (the message ends with the compiler's last lines); CUDA sources without
-            nvcc or without a CUDA build of torch; or another build of the same extension was already loaded
-            in this process (after editing a source: restart the Python kernel).
+        RuntimeError: the build failed (the message ends with the compiler's last lines); the tools are missing
+            (:func:`why_not_buildable`: no C++ compiler, no ninja, or for CUDA sources no nvcc or no CUDA build of
+            torch); or another build of the same extension was already loaded in this process (after editing a
+            source: restart the Python kernel).
     """
     library = library_path(spec, root)
     if _LOADED.get(spec.name) == library:
@@ -222,6 +264,9 @@ def build(spec: ExtensionSpec, *, timeout_s: float = DEFAULT_TIMEOUT_S, root: Pa
     directory = library.parent
     done = directory / "build.ok"  # written only after a child process built and loaded the library
     if not (done.exists() and library.exists()):
+        missing = why_not_buildable(spec)
+        if missing:
+            raise RuntimeError(f"cannot build {spec.name} here: {missing}")
         _build_in_child(spec, directory, timeout_s)
         done.write_text(library.name)
     try:
@@ -244,6 +289,9 @@ def _build_in_child(spec: ExtensionSpec, directory: Path, timeout_s: float) -> N
         env["TORCH_CUDA_ARCH_LIST"] = spec.arch  # this GPU's arch only: one device compile, not one per arch
         env.setdefault("CUDA_HOME", str(Path(nvcc).resolve().parents[1]))  # the toolkit that nvcc belongs to
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)  # for utils
+    ninja = find_ninja()
+    if ninja:  # torch runs plain `ninja`: a pip-installed one beside this Python must be on the child's PATH
+        env["PATH"] = os.pathsep.join(p for p in (str(Path(ninja).parent), env.get("PATH")) if p)
     directory.mkdir(parents=True, exist_ok=True)
     args = {"name": spec.name, "sources": [str(p) for p in spec.sources], "extra_cflags": list(spec.extra_cflags),
             "extra_cuda_cflags": list(spec.extra_cuda_cflags) if spec.uses_cuda else None,

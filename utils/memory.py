@@ -367,6 +367,25 @@ class MemoryTrace:
         self.phases.append(phase)
         self.allocated_bytes.append(value)
 
+    def summary(self, peak_increase_bytes: int | None = None) -> str:
+        """One sentence from the readings, each above the first: the level at the end of the forward pass, the
+        highest reading (and where it was taken), the last. With ``peak_increase_bytes`` (:func:`track_peak`'s over
+        the same step) the true peak beside them: it also sees the short-lived buffers between two readings."""
+        start = self.allocated_bytes[0]
+        forward = [i for i, p in enumerate(self.phases) if p == "forward"]
+        highest = max(range(len(self.allocated_bytes)), key=self.allocated_bytes.__getitem__)
+        parts = []
+        if forward:
+            parts.append(f"{format_bytes(self.allocated_bytes[forward[-1]] - start)} at the end of the forward pass")
+        parts.append(f"{format_bytes(self.allocated_bytes[highest] - start)} at the highest reading "
+                     f"({self.labels[highest]}, {self.phases[highest]})")
+        parts.append(f"{format_bytes(self.allocated_bytes[-1] - start)} at the last ({self.labels[-1]})")
+        text = "Above the first reading: " + " · ".join(parts) + "."
+        if peak_increase_bytes is not None:
+            text += (f" The step's peak, which also sees what lives between two readings: "
+                     f"{format_bytes(peak_increase_bytes)} above the start.")
+        return text
+
 
 @contextmanager
 def trace_step_memory(device: torch.device | str, modules: dict[str, torch.nn.Module],
@@ -433,3 +452,375 @@ def plot_memory_trace(trace: MemoryTrace, *, title: str = "Memory over one train
     fig.tight_layout()
     plt.close(fig)
     return fig
+
+
+
+# ----------------------------------------------------------------------------------------------------
+# The parts of one training step, measured between its phases
+
+
+@dataclass(frozen=True)
+class StepParts:
+    """What :func:`measure_step_parts` read, in bytes, with a sentence saying what the numbers are."""
+
+    device: str
+    parts: dict[str, int]  # cuBLAS workspace (GPU), weights, activations, optimizer state, gradients, transient
+    peak_bytes: int  # a whole later step's peak, above what was allocated before the first matmul
+    peak_allocated_bytes: int  # everything allocated at that peak (not only above the start)
+    cache_bytes: int | None  # GPU: the allocator's cache at the peak (peak reserved − peak allocated)
+    outside_bytes: int | None  # GPU: used memory (mem_get_info) − reserved: context, libraries, other processes
+    what: str
+
+    #: The parts whose size is exact (a number of values × 4 bytes): the allocator must count what sizes predict.
+    EXACT = ("weights", "gradients", "optimizer state")
+
+    def rows(self, predicted: Any) -> list[dict[str, object]]:
+        """Table rows, part by part, beside a :class:`utils.memory_calculator.MemoryPrediction` and their ratio
+        (on a GPU; RSS on a CPU measures the process, so no ratio is shown)."""
+        expected = dict(predicted.parts)
+        on_gpu = self.device.startswith("cuda")
+        rows = [{"part": name, "predicted": format_bytes(expected[name]) if name in expected else "—",
+                 "measured": format_bytes(nbytes),
+                 "measured / predicted": f"{nbytes / expected[name]:.2f}" if on_gpu and expected.get(name) else "—"}
+                for name, nbytes in self.parts.items()]
+        rows.append({"part": "peak of a step", "predicted": format_bytes(predicted.peak),
+                     "measured": format_bytes(self.peak_bytes),
+                     "measured / predicted": f"{self.peak_bytes / predicted.peak:.2f}" if on_gpu else "—"})
+        return rows
+
+    def check(self, predicted: Any, tolerance: float = 0.02) -> str:
+        """On a GPU: the exact parts (weights, gradients, optimizer state) must equal the prediction within
+        ``tolerance`` (the allocator rounds blocks up, by at most 1 MiB per tensor); returns the sentence that says
+        so, with the worst part. On a CPU, where RSS measures the whole process, says what the numbers are instead.
+
+        Raises:
+            AssertionError: on a GPU, for an exact part further off than ``tolerance``.
+        """
+        if not self.device.startswith("cuda"):
+            return ("On a CPU each reading is the process's resident set size: it rises when tensors touch new "
+                    "pages, not when they are freed, and it counts the libraries' own buffers. So the parts are "
+                    "rough, and no ratio to the prediction is drawn.")
+        expected = dict(predicted.parts)
+        off = {name: self.parts[name] / expected[name] - 1 for name in self.EXACT}
+        for name, error in off.items():
+            assert abs(error) <= tolerance, (f"{name}: {format_bytes(self.parts[name])} measured, "
+                                             f"{format_bytes(expected[name])} predicted ({error:+.1%})")
+        worst = max(off, key=lambda name: abs(off[name]))
+        return (f"Weights, gradients and optimizer state: the allocator counts what the sizes predict, to within "
+                f"{abs(off[worst]):.1%} ({worst}). It hands out whole blocks, rounded up.")
+
+
+def measure_step_parts(new_model: Any, make_optimizer: Any, inputs: torch.Tensor, targets: torch.Tensor,
+                       device: torch.device | str) -> StepParts:
+    """Read a training step's memory between its phases, from a clean start:
+
+    * on a GPU, the **cuBLAS workspace** first: a tiny matmul forward and backward (cuBLAS gives each thread that
+      runs one a workspace, through PyTorch's allocator: yours, and the thread autograd runs backward on);
+    * the **weights** as ``new_model()`` builds the model; the **activations** over the forward pass and the loss
+      (``utils.train.lm_loss``); after backward, AdamW's **optimizer state** at its first ``step()`` (created
+      lazily); the **gradients** freed by ``zero_grad(set_to_none=True)``;
+    * the **peak** of a whole later step (``utils.train.train_step``) after one more complete step, so that
+      one-time costs stay out; what it holds beyond weights, state, workspace and activations is the **transient
+      at the peak** (above all the loss's backward);
+    * on a GPU also the allocator's **cache** at the peak (``max_memory_reserved − max_memory_allocated``) and what
+      lies **outside** it: ``mem_get_info``'s used memory − ``memory_reserved``, the CUDA context and the libraries'
+      code — and any other process on the GPU, which this process cannot tell apart.
+
+    On a CPU each reading is the process's RSS (:func:`memory_stats`): rough, and it does not fall when tensors are
+    freed. The model and optimizer are released before returning.
+    """
+    from utils.train import lm_loss, train_step
+
+    dev = get_device(device)
+    on_gpu = dev.type == "cuda"
+
+    def allocated() -> int:
+        return memory_stats(dev).allocated_bytes
+
+    release_memory(dev)
+    start = allocated()
+    parts: dict[str, int] = {}
+    if on_gpu:  # this process's first matmuls, forward and backward, with a bias like the model's layers
+        w = torch.ones(64, 64, device=dev, requires_grad=True)
+        torch.nn.functional.linear(w, w, w[0]).sum().backward()
+        del w
+        parts["cuBLAS workspace"] = allocated() - start
+    model = new_model()
+    parts["weights"] = allocated() - start - parts.get("cuBLAS workspace", 0)
+    optimizer = make_optimizer(model.parameters())
+    before = allocated()
+    loss = lm_loss(model(inputs), targets)
+    parts["activations"] = allocated() - before
+    loss.backward()
+    del loss
+    before = allocated()
+    optimizer.step()
+    parts["optimizer state"] = allocated() - before
+    before = allocated()
+    optimizer.zero_grad(set_to_none=True)
+    parts["gradients"] = before - allocated()
+    train_step(model, optimizer, inputs, targets)  # one complete step: one-time costs stay out of the peak
+    optimizer.zero_grad(set_to_none=True)
+    with track_peak(dev) as step:
+        train_step(model, optimizer, inputs, targets)
+    peak = step.peak_bytes - start
+    static = parts["weights"] + parts["optimizer state"] + parts.get("cuBLAS workspace", 0)
+    parts["transient at the peak"] = max(0, peak - static - parts["activations"])
+    cache = outside = None
+    if on_gpu:
+        cache = torch.cuda.max_memory_reserved(dev) - step.peak_bytes
+        free, total = torch.cuda.mem_get_info(dev)
+        outside = (total - free) - torch.cuda.memory_reserved(dev)
+    del model, optimizer
+    release_memory(dev)
+    return StepParts(str(dev), parts, peak, step.peak_bytes, cache, outside, step.what)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Variants of a training step, each checked against the baseline's loss, gradients and update
+
+
+@dataclass(frozen=True)
+class StepCheck:
+    """One variant's two steps against the baseline's, from the same weights on the same batch."""
+
+    label: str
+    losses: tuple[float, float]  # steps 1 and 2
+    loss_errors: tuple[float, ...]  # relative difference from the baseline's loss, per step compared
+    grad_errors: tuple[float, ...]  # relative difference (norm) from the baseline's gradients, per step compared
+    update_error: float | None  # relative difference of the weights' change over both steps; None: not compared
+    peak_bytes: int  # step 2's peak above what was allocated before the model was built (RSS: never below 0)
+    checked: str  # what was compared, in words
+    kind: str = "exact"  # "reference", "exact", "low precision" or "own update"
+
+
+@dataclass(frozen=True)
+class StepChecks:
+    """Every variant's :class:`StepCheck` (:func:`check_steps`); the first is the baseline."""
+
+    checks: dict[str, StepCheck]
+    what: str  # what the peaks measure
+
+    @property
+    def baseline(self) -> str:
+        return next(iter(self.checks))
+
+    def peak(self, label: str) -> int:
+        return self.checks[label].peak_bytes
+
+    def rows(self) -> list[dict[str, object]]:
+        base = self.checks[self.baseline].peak_bytes
+
+        def err(x: float | None) -> str:
+            return "—" if x is None else f"{x:.0e}"
+
+        return [{"variant": c.label, "peak": format_bytes(c.peak_bytes),
+                 "vs baseline": f"{c.peak_bytes / base:.0%}" if base else "—",
+                 "loss, steps 1 → 2": f"{c.losses[0]:.4f} → {c.losses[1]:.4f}",
+                 "loss diff.": " / ".join(err(e) for e in c.loss_errors),
+                 "gradients diff.": " / ".join(err(e) for e in c.grad_errors), "update diff.": err(c.update_error),
+                 "checked": c.checked} for c in self.checks.values()]
+
+    def summary(self) -> str:
+        """What was checked, from the checks themselves: how many variants of each kind, and what for each."""
+        kinds: dict[str, list[StepCheck]] = {}
+        for c in self.checks.values():
+            kinds.setdefault(c.kind, []).append(c)
+        said = {"exact": "the loss and gradients of both steps and the weights' change",
+                "low precision": "the loss and gradients of both steps, within 16-bit rounding (not the change: "
+                                 "rounding flips the sign of tiny gradients, and AdamW moves each weight by ± lr)",
+                "own update": "the first step's loss and gradients (the update differs by design)"}
+        parts = [f"{len(kinds[k])} × {what} ({', '.join(c.checked for c in kinds[k][:1])})"
+                 for k, what in said.items() if k in kinds]
+        n = sum(len(v) for k, v in kinds.items() if k != "reference")
+        return (f"✅ {n} variants against the baseline, from its weights on its batch: " + "; ".join(parts)
+                + ". The second step runs on the first update, so it checks the optimizer's path. Every variant's "
+                "second loss is below its first: its update trains.")
+
+
+def _relative(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    """‖a − b‖ / ‖b‖ over lists of tensors (one synchronisation)."""
+    diff = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(x.float() - y) for x, y in zip(a, b,
+                                                                                                      strict=True)]))
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(y) for y in b]))
+    return (diff / norm.clamp_min(1e-30)).item()
+
+
+def check_steps(
+    variants: dict[str, tuple[Any, Any]],
+    new_model: Any,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    device: torch.device | str,
+    *,
+    low_precision: tuple[str, ...] | list[str] = (),
+    own_update: tuple[str, ...] | list[str] = (),
+    tolerance: float = 1e-4,
+    low_precision_tolerance: float = 0.05,
+) -> StepChecks:
+    """Run two steps of every variant from the same weights on the same batch, check each against the first (the
+    baseline), and measure the peak of its second step.
+
+    ``variants``: label → ``(make_optimizer, step)``, with ``step(model, optimizer, inputs, targets)`` one training
+    step (``utils.train.train_step`` or a variant of it) and ``make_optimizer(params)``. For each, from a clean
+    start: ``new_model()``, its optimizer, step 1, step 2 (under :func:`track_peak`: the peak above what was
+    allocated before the model was built, with the optimizer's state present and whatever the first step left
+    behind). Compared with the baseline's, relative differences:
+
+    * the loss of both steps, and the gradients (norm of the difference over the norm; clipped, as the step leaves
+      them) of both steps: step 2 runs on the weights step 1 updated, so it checks the variant's optimizer path;
+    * the weights' change over the two steps;
+    * within ``tolerance`` for the loss and the first gradients, 30 times that for what follows an update
+      (AdamW's first steps move each weight by about ± lr whatever the gradient's size, so a rounding difference
+      in a tiny gradient moves its weight by up to 2 lr: an H100 shows about 3e-4 on the fp32 variants, against
+      1.0 for an update that did not happen); for ``low_precision`` variants (16-bit autocast) within
+      ``low_precision_tolerance``, the update left out (the same sign flips, on many more gradients);
+    * ``own_update`` variants (an optimizer that updates differently by design, e.g. Adafactor): the first step's
+      loss and gradients only.
+
+    Every variant's second loss must also be below its first: the update trains. The references (the initial
+    weights, the baseline's gradients and update) stay on the device, allocated before each variant's model is
+    built, so they are outside every measured peak; the baseline's first gradients wait on the host while its own
+    second step is measured.
+
+    Raises:
+        AssertionError: naming the variant and the quantity that differs beyond its tolerance.
+    """
+    dev = get_device(device)
+    first = new_model()  # the initial weights, kept on the device for the whole run: in every variant's baseline
+    initial = [p.detach().float().clone() for p in first.parameters()]
+    del first
+    after_update = 30 * tolerance
+    reference: dict[str, Any] = {}
+    checks: dict[str, StepCheck] = {}
+    what = ""
+    for label, (make_optimizer, step) in variants.items():
+        low, own = label in low_precision, label in own_update
+        limits = [low_precision_tolerance] * 2 if low else [tolerance, after_update]
+        release_memory(dev)
+        base_level = memory_stats(dev).allocated_bytes
+        model = new_model()
+        optimizer = make_optimizer(model.parameters())
+        losses = [float(step(model, optimizer, inputs, targets))]
+        grads = [p.grad for p in model.parameters()]
+        if not reference:  # the baseline's: on the host while its second step is measured
+            reference = {"losses": losses, "grads": [[g.detach().float().cpu() for g in grads]]}
+            grad_errors = [0.0]
+        else:
+            grad_errors = [_relative(grads, reference["grads"][0])]
+        del grads
+        with track_peak(dev) as mem:
+            losses.append(float(step(model, optimizer, inputs, targets)))
+        what = mem.what
+        grads = [p.grad.detach().float() for p in model.parameters()]
+        update = [p.detach().float() - w for p, w in zip(model.parameters(), initial, strict=True)]
+        if len(reference["grads"]) == 1:
+            reference["grads"] = [[g.to(dev) for g in reference["grads"][0]], [g.clone() for g in grads]]
+            reference["update"] = update
+        grad_errors.append(_relative(grads, reference["grads"][1]))
+        update_error = None if (own or low) else _relative(update, reference["update"])
+        del model, optimizer, grads, update
+        loss_errors = [abs(a - b) / abs(b) for a, b in zip(losses, reference["losses"], strict=True)]
+        n = 1 if own else 2
+        for i in range(n):
+            assert loss_errors[i] <= limits[i], (f"{label}: step {i + 1}'s loss is {loss_errors[i]:.1e} off "
+                                                 f"(> {limits[i]:.0e})")
+            assert grad_errors[i] <= limits[i], (f"{label}: step {i + 1}'s gradients are {grad_errors[i]:.1e} off "
+                                                 f"(> {limits[i]:.0e})")
+        if update_error is not None:
+            assert update_error <= after_update, (f"{label}: its update is {update_error:.1e} off "
+                                                  f"(> {after_update:.0e})")
+        assert losses[1] < losses[0], f"{label}: the loss did not fall after its update ({losses[0]} → {losses[1]})"
+        if not checks:
+            kind, checked = "reference", "the reference"
+        elif own:
+            kind, checked = "own update", f"step 1 within {tolerance:.0e}; the loss falls"
+        elif low:
+            kind, checked = "low precision", f"steps 1–2 within {low_precision_tolerance:.0%}"
+        else:
+            kind, checked = "exact", f"step 1 {tolerance:.0e}, then {after_update:.0e}"
+        checks[label] = StepCheck(label, (losses[0], losses[1]), tuple(loss_errors[:n]), tuple(grad_errors[:n]),
+                                  update_error, max(0, mem.peak_bytes - base_level), checked, kind)
+    del reference, initial
+    release_memory(dev)
+    return StepChecks(checks, what)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Inference: what a forward pass holds under each gradient mode
+
+
+@dataclass(frozen=True)
+class ForwardMemory:
+    """What :func:`forward_memory` measured: per mode, the peak and what stays held while the output lives
+    (bytes), and ``calls``: one forward pass under that mode, to time."""
+
+    peaks: dict[str, int]
+    held: dict[str, int]
+    calls: dict[str, Any]
+    what: str
+
+    def rows(self) -> list[dict[str, object]]:
+        return [{"mode": label, "peak above the start": format_bytes(self.peaks[label]),
+                 "held while the output lives": format_bytes(self.held[label])} for label in self.peaks]
+
+
+def forward_memory(model: torch.nn.Module, inputs: torch.Tensor, modes: dict[str, Any],
+                   device: torch.device | str) -> ForwardMemory:
+    """One forward pass of ``model(inputs)`` under each mode (label → a context manager factory such as
+    ``torch.no_grad``): the peak above the start and what stays allocated while the output lives. Every output is
+    checked against the first (``assert_close``, 1e-3): a mode changes what is kept, not what is computed.
+
+    Raises:
+        AssertionError: when an output differs from the first mode's.
+    """
+    dev = get_device(device)
+
+    def call(mode: Any) -> Any:
+        def forward() -> torch.Tensor:
+            with mode():
+                return model(inputs)
+        return forward
+
+    calls = {label: call(mode) for label, mode in modes.items()}
+    peaks, held, reference, what = {}, {}, None, ""
+    for label, forward in calls.items():
+        release_memory(dev)
+        before = memory_stats(dev).allocated_bytes
+        with track_peak(dev) as mem:
+            out = forward()
+            held[label] = memory_stats(dev).allocated_bytes - before
+        peaks[label], what = mem.peak_bytes - before, mem.what
+        reference = out.detach() if reference is None else reference
+        torch.testing.assert_close(out.detach(), reference, rtol=1e-3, atol=1e-3,
+                                   msg=lambda m, label=label: f"{label}: the output differs: {m}")
+        del out
+    return ForwardMemory(peaks, held, calls, what)
+
+
+def optimizer_memory(new_model: Any, optimizers: dict[str, Any], inputs: torch.Tensor, targets: torch.Tensor,
+                     device: torch.device | str) -> list[dict[str, object]]:
+    """Per optimizer (label → ``make_optimizer(params)``), on a fresh model after one training step: the bytes of
+    its state (every tensor it keeps per parameter, step counters left out) and the temporaries of one ``step()``
+    with gradients present (:func:`track_peak` around it). The default multi-tensor ("foreach") AdamW computes on
+    whole lists of tensors and allocates temporaries as large as the parameters; the fused one updates in place;
+    Adafactor keeps a row and a column per matrix. Table rows."""
+    from utils.train import lm_loss, train_step
+
+    dev = get_device(device)
+    rows = []
+    for label, make in optimizers.items():
+        release_memory(dev)
+        model = new_model()
+        optimizer = make(model.parameters())
+        train_step(model, optimizer, inputs, targets)  # creates the state
+        lm_loss(model(inputs), targets).backward()
+        with track_peak(dev) as mem:
+            optimizer.step()
+        state = sum(t.nbytes for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim())
+        rows.append({"optimizer": label, "state": format_bytes(state),
+                     "step()'s temporaries": format_bytes(mem.peak_increase_bytes)
+                     + ("" if dev.type == "cuda" else " (RSS)")})
+        del model, optimizer
+    release_memory(dev)
+    return rows

@@ -297,3 +297,121 @@ def plot_stacked_memory(bars: dict[str, dict[str, int]], *, title: str,
     fig.tight_layout()
     plt.close(fig)
     return fig
+
+
+def _shapes(config: Any) -> list[tuple[int, ...]]:
+    """The parameter shapes of ``utils.models.TransformerModel(config)``, built on the meta device (no memory)."""
+    from utils.models import TransformerModel
+
+    with torch.device("meta"):
+        return [tuple(p.shape) for p in TransformerModel(config).parameters()]
+
+
+def predict_step_peak(config: Any, batch: int, seq: int, *, optimizer: str = "adamw", **activation_options) -> int:
+    """The predicted peak of one training step of ``TransformerModel(config)`` at ``batch`` × ``seq`` tokens:
+    :func:`predict_training_memory` of its parameters with :func:`transformer_activations` (``amp``,
+    ``checkpointing``, ``chunked_loss``, ``chunk_tokens``, ``device_type``)."""
+    estimate = transformer_activations(config, batch, seq, **activation_options)
+    return predict_training_memory(_shapes(config), optimizer=optimizer, activations=estimate).peak
+
+
+def largest_predicted_batch(config: Any, budget_bytes: int, seq: int, *, limit: int = 1 << 20, **options) -> int:
+    """The largest batch whose :func:`predict_step_peak` fits in ``budget_bytes`` (0 if not even one sequence),
+    by ``utils.out_of_memory.largest_batch`` on the prediction. It leaves out the CUDA context, the libraries'
+    workspaces and the allocator's rounding and cache: expect a real search to find fewer."""
+    from utils.out_of_memory import largest_batch
+
+    return largest_batch(lambda b: predict_step_peak(config, b, seq, **options) <= budget_bytes, limit=limit).largest
+
+
+def explorer(models: dict[str, Any], device: torch.device | str, *, batch: int, seq: int, chunk_tokens: int = 2048,
+             amp_dtype: torch.dtype | None = None, show: bool = True) -> Any:
+    """The calculator with controls (``utils.explore``): a model shape from ``models`` (label → TransformerConfig),
+    the batch, the sequence length, the precision, the checkpointing, the loss and the optimizer → the predicted
+    peak, part by part, against this device's memory. It runs once with its defaults (the output a static copy
+    shows). On a GPU, *Measure on this GPU* runs two real steps with those settings (the first creates the
+    optimizer's state) and puts the second step's peak (``max_memory_allocated`` above the start) beside the
+    prediction, or reports the out-of-memory error, handled (``utils.out_of_memory.try_step``)."""
+    from utils import explore
+    from utils.checkpointing import MATMUL_OPS, ActivationCheckpointing
+    from utils.env import capabilities, get_device
+    from utils.memory import memory_stats, release_memory
+    from utils.models import TransformerModel
+    from utils.out_of_memory import try_step
+    from utils.plot import table
+    from utils.train import chunked_loss_fn, train_step
+
+    dev = get_device(device)
+    room = capabilities(dev).total_memory_bytes if dev.type == "cuda" else None
+    precisions = {"fp32": None, **({str(amp_dtype).removeprefix("torch.") + " autocast": amp_dtype}
+                                   if amp_dtype is not None else {})}
+    optimizers = {"adamw": lambda p: torch.optim.AdamW(p, lr=1e-4),
+                  "sgd_momentum": lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9),
+                  "sgd": lambda p: torch.optim.SGD(p, lr=1e-2), "adafactor": lambda p: torch.optim.Adafactor(p)}
+    controls = {"model": explore.Choice(list(models)),
+                "batch_size": explore.Slider(1, 512, value=batch, label="batch (sequences)"),
+                "length": explore.Choice(sorted({seq, 128, 256, 512, 1024, 2048}), value=seq,
+                                         label="tokens per sequence"),
+                "precision": explore.Choice(list(precisions)),
+                "checkpointing": explore.Choice(["none", "selective", "full"]),
+                "chunked_loss": explore.Toggle(False, label="chunked loss"),
+                "optimizer": explore.Choice(list(optimizers))}
+
+    def predicted(model, batch_size, length, precision, checkpointing, chunked_loss, optimizer) -> MemoryPrediction:
+        estimate = transformer_activations(models[model], batch_size, length, amp=precisions[precision] is not None,
+                                           checkpointing=checkpointing, chunked_loss=chunked_loss,
+                                           chunk_tokens=chunk_tokens, device_type=dev.type)
+        return predict_training_memory(_shapes(models[model]), optimizer=optimizer, activations=estimate)
+
+    def calculator(**settings) -> MemoryPrediction:
+        prediction = predicted(**settings)
+        table([{"part": part, "predicted": format_bytes(nbytes)} for part, nbytes in prediction.parts.items()],
+              title=", ".join(f"{k} {v}" for k, v in settings.items()))
+        print(f"predicted peak {format_bytes(prediction.peak)}" + (
+            f": {prediction.peak / room:.0%} of this GPU's {format_bytes(room)}, "
+            + ("fits, before the CUDA context and workspaces" if prediction.peak < room else "does not fit")
+            if room else " (a CPU has no fixed memory to compare with)"))
+        return prediction
+
+    def measure(**settings) -> int | None:
+        if dev.type != "cuda":
+            print("Measuring needs a GPU: on a CPU the process's resident memory cannot single out one step.")
+            return None
+        prediction = predicted(**settings)
+        release_memory(dev)
+        start = memory_stats(dev).allocated_bytes
+        net = TransformerModel(models[settings["model"]]).to(dev)
+        opt = optimizers[settings["optimizer"]](net.parameters())
+        options = {"amp_dtype": precisions[settings["precision"]]}
+        if settings["chunked_loss"]:
+            options["loss_fn"] = chunked_loss_fn(chunk_tokens)
+        keep = None if settings["checkpointing"] != "selective" else [
+            getattr(torch.ops.aten, name).default for name in MATMUL_OPS if hasattr(torch.ops.aten, name)]
+        data = torch.randint(0, net.config.vocab_size, (settings["batch_size"], settings["length"] + 1), device=dev)
+        peak: dict[str, int] = {}
+
+        def two_steps() -> None:
+            ac = ActivationCheckpointing(net.encoder.layers, save=keep, counting=False)
+            with ac if settings["checkpointing"] != "none" else _nothing():
+                train_step(net, opt, data[:, :-1], data[:, 1:], **options)  # creates the optimizer's state
+                torch.cuda.reset_peak_memory_stats(dev)
+                train_step(net, opt, data[:, :-1], data[:, 1:], **options)
+                peak["bytes"] = torch.cuda.max_memory_allocated(dev) - start
+
+        outcome = try_step(two_steps, dev, release=[opt])
+        net = opt = data = None  # let go of the model, its state and the batch before emptying the cache
+        release_memory(dev)
+        if not outcome.ok:
+            print(f"out of memory (handled, memory released): {outcome.error[:150]}")
+            return None
+        print(f"measured peak {format_bytes(peak['bytes'])}, predicted {format_bytes(prediction.peak)} "
+              f"({peak['bytes'] / prediction.peak - 1:+.0%} against the prediction)")
+        return peak["bytes"]
+
+    return explore.explore(calculator, controls, actions={"Measure on this GPU": measure}, show=show)
+
+
+def _nothing():
+    from contextlib import nullcontext
+
+    return nullcontext()

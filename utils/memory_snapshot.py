@@ -259,6 +259,33 @@ class PeakBreakdown:
                      "share": f"{self.before_recording_bytes / self.peak_bytes:.0%}" if self.peak_bytes else "—"})
         return rows
 
+    def summary(self, peak_allocated_bytes: int | None = None, *, min_share: float = 0.0) -> str:
+        """Sentences from the breakdown: the share of the peak allocated in the forward pass, in backward (with or
+        without a Python stack: autograd's own thread on a GPU records none), and before recording; the sources
+        left out under ``min_share``; and, given ``peak_allocated_bytes`` (``max_memory_allocated`` over the same
+        kind of step), how the snapshot's peak compares: it adds up the sizes requested, the counter the
+        allocator's blocks, rounded up."""
+        if not self.peak_bytes:
+            return "The snapshot recorded no allocation."
+        share = {phase: sum(b for label, b, _ in self.by_source if label.startswith(phase)) / self.peak_bytes
+                 for phase in ("forward", "backward", "no Python stack")}
+        text = (f"At the peak (event {self.event_index:,} of the trace): {share['forward']:.0%} allocated in the "
+                f"forward pass, {share['backward'] + share['no Python stack']:.0%} in backward, "
+                f"{self.before_recording_bytes / self.peak_bytes:.0%} before the step (weights, optimizer state, "
+                "workspaces).")
+        small = self.negligible(min_share) if min_share else []
+        if small:
+            text += (f" Left out of the table: {len(small)} place(s) under {min_share:.1%} of the peak, "
+                     f"{format_bytes(sum(b for _, b, _ in small))} in all.")
+        if peak_allocated_bytes is not None:
+            gap = self.peak_bytes - peak_allocated_bytes
+            text += (f" The snapshot's peak, {format_bytes(self.peak_bytes)}, against "
+                     f"{format_bytes(peak_allocated_bytes)} from max_memory_allocated: " + (
+                         f"{format_bytes(-gap)} less: the snapshot adds up the sizes requested, the counter the "
+                         "allocator's blocks, rounded up." if gap <= 0 else
+                         f"{format_bytes(gap)} more: more tensors were live during this step."))
+        return text
+
 
 def peak_breakdown(snapshot: dict[str, Any], *, device_index: int | None = None) -> PeakBreakdown:
     """Find the peak of a recorded snapshot and attribute it to the tensors live at that moment.

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["FORMATS", "Format", "Stored", "round_mantissa", "stored_as", "stored_values", "unit_roundoff"]
+__all__ = ["FORMATS", "Format", "Stored", "ranges", "round_mantissa", "round_trips", "stored_as", "stored_values",
+           "unit_roundoff"]
 
 
 @dataclass(frozen=True)
@@ -139,3 +140,47 @@ def stored_values(value: float, formats: tuple[Format, ...] = FORMATS) -> list[S
         outcome, error = _outcome(value, stored, fmt)
         out.append(Stored(fmt, stored, error, outcome))
     return out
+
+
+def _subnormal(fmt: Format, info: torch.finfo) -> float:
+    """The smallest non-zero value: the smallest normal times 2^-mantissa bits (TF32: fp32's exponent, 10 bits)."""
+    return info.smallest_normal * 2.0 ** -fmt.mantissa_bits
+
+
+def ranges(formats: tuple[Format, ...] = FORMATS, *, fp8_note: str = "") -> list[dict[str, str]]:
+    """One table row per format: bits, mantissa bits, the largest value, the smallest normal and subnormal, and eps
+    (the gap above 1), from ``torch.finfo`` (TF32 from its bit layout: fp32's range, 10 mantissa bits). Values at or
+    below half the smallest subnormal round to zero. ``fp8_note`` is added to the fp8 rows (e.g. whether this GPU
+    has fp8 tensor cores)."""
+    notes = {"tf32": "stored as fp32; tensor cores read 1 + 8 + 10 bits of each matmul input",
+             "float8_e4m3fn": "no infinity; scaled per tensor", "float8_e5m2": "fp16's range, 2 mantissa bits"}
+    rows = []
+    for fmt in formats:
+        info = torch.finfo(fmt.dtype)
+        note = notes.get(fmt.name, "")
+        if fmt.name.startswith("float8") and fp8_note:
+            note = f"{note}; {fp8_note}"
+        rows.append({"format": fmt.name, "bits": fmt.bits, "mantissa bits": fmt.mantissa_bits,
+                     "max": f"{_largest(fmt, info):.3g}", "smallest normal": f"{info.smallest_normal:.3g}",
+                     "smallest subnormal": f"{_subnormal(fmt, info):.3g}",
+                     "eps (gap above 1)": f"{2.0 ** -fmt.mantissa_bits:.3g}", "note": note})
+    return rows
+
+
+def round_trips(values: dict[str, float], names: tuple[str, ...] = ("float16", "bfloat16")) -> list[dict[str, str]]:
+    """Table rows: each named value as stored in each of the formats ``names``, and what happened to it.
+
+    Raises:
+        ValueError: for an unknown format name, or a value that is not a finite number.
+    """
+    known = {f.name: f for f in FORMATS}
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ValueError(f"unknown formats {unknown}; known: {list(known)}")
+    rows = []
+    for label, value in values.items():
+        row = {"value": label}
+        for stored in stored_values(value, tuple(known[n] for n in names)):
+            row[f"as {stored.format.name}"] = f"{stored.value:.8g} ({stored.outcome})"
+        rows.append(row)
+    return rows

@@ -5,13 +5,17 @@ a promise held where it was measured; and the profiler reading that says which t
     tf32 = utils.bench.compare({"fp32": fp32_step, "tf32": tf32_step})   # alternating rounds, three outcomes
     findings.measured("tf32", tf32, same="the step is 5% matmul")          # prints the verdict and its reason
     findings.explain("TF32 matmuls", unexpected=utils.playbook.profile_change(fp32_prof, tf32_prof))  # later
-    utils.plot.table(findings.rows())                     # claim · what the guide promises · measured here · holds?
+    utils.plot.table(findings.rows())                     # claim · what the guide promises · measured here · outcome
     print(utils.playbook.diagnose(profile))               # "launch-bound: ... → try CUDA graphs (...)"
     print(utils.playbook.profile_change(nchw, nhwc, kind="conv"))  # what changed between two variants' profiles
 
-A finding's verdict is one of the three outcomes of :mod:`utils.bench` (faster, slower, no difference larger than
-the resolution, inconclusive); whether the promise *holds* follows from it: yes, partly (less than the number
-promised), no (a resolved difference the other way, or none) or inconclusive — never "no" for noise.
+A finding's verdict is one of the three outcomes of :mod:`utils.bench` (faster or slower, no difference larger
+than the resolution, inconclusive), and the summary table shows that outcome (:attr:`Finding.outcome`), never "did
+not hold" for noise. :func:`holds` still reads a verdict against the promise (yes, partly, no, inconclusive).
+
+The workloads (:func:`workloads`: MLP, Transformer, ResNet-50) and their training step (:meth:`Workload.step`) are
+shared by notebooks 07 and 07b; :func:`same_first_step` checks a variant's first step against its reference, and
+:func:`explain_by_profiles` profiles every comparison's variants after all timings and prints what changed.
 
 :func:`diagnose` reads a :class:`utils.profile.StepProfile`: a step whose GPU waits for the host at least half the
 time is *launch-bound* and gains from fewer launches (CUDA graphs, fused optimizers, compile), and so is, partly, a
@@ -27,11 +31,12 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import copy
 import math
 import os
 import re
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -56,7 +61,7 @@ class Tip:
 
 TIPS: dict[str, Tip] = {t.key: t for t in (
     Tip("tf32", "TF32 matmuls", "3× faster matmuls, minimal accuracy loss", 3.0, "matmul",
-        "torch.set_float32_matmul_precision('high')", False),
+        "torch.backends.cuda.matmul.fp32_precision = 'tf32'", False),
     Tip("channels_last", "channels_last", "10–30% faster convolutions", 1.1, "conv",
         "model.to(memory_format=torch.channels_last)", True),
     Tip("cudnn_benchmark", "cudnn.benchmark", "auto-tuned convolutions, faster with fixed input sizes", None, "conv",
@@ -138,6 +143,17 @@ class Diagnosis:
     on_gpu: bool
     idle: float = 0.0  # the share of the step the device waits for the host (CPU: time between operators)
     no_tip: str = "none of them exists on this device"  # why ``tips`` is empty, where it is
+    per_kernel_us: float = 0.0  # the step's time over its kernels (operators on a CPU): the host's µs per launch
+    launch_us: tuple[tuple[str, float], ...] = ()  # host µs per call measured apart (e.g. ATen's and Inductor's)
+
+    @property
+    def host_note(self) -> str:
+        """The host's cost per launch, for a step that waits for the host: "host: 9.1 µs per kernel of this step;
+        ATen op 4.2 µs, compiled call 11.8 µs on this CPU" — what a reader on a faster CPU can scale by."""
+        what = "kernel" if self.on_gpu else "operator"
+        apart = "; ".join(f"{name} {format_seconds(us / 1e6)}" for name, us in self.launch_us)
+        return (f"host: {format_seconds(self.per_kernel_us / 1e6)} per {what} of this step"
+                + (f"; {apart} on this CPU" if apart else ""))
 
     @property
     def tip(self) -> Tip | None:
@@ -160,14 +176,22 @@ class Diagnosis:
                           f"the {'GPU' if self.on_gpu else 'operator'} time")
         if self.bound == "partly launch-bound" and self.largest not in ("launch", "overhead"):
             where += f", and the GPU waits for the host {self.idle:.0%} of the step"
+        if self.bound in ("launch-bound", "partly launch-bound", "overhead-bound") and self.per_kernel_us > 0:
+            where += f" ({self.host_note})"
         if not self.tips:
             return f"{self.bound}: {where} → no tip of this playbook applies: {self.no_tip}"
         first, rest = self.tips[0], ", ".join(t.name for t in self.tips[1:])
         return (f"{self.bound}: {where} → try {first.name} ({first.how})" + (f"; also {rest}" if rest else ""))
 
 
-def diagnose(profile: StepProfile, *, amp: torch.dtype | None = None, tf32: bool = True) -> Diagnosis:
+def diagnose(profile: StepProfile, *, amp: torch.dtype | None = None, tf32: bool = True,
+             launch_us: Mapping[str, float] | None = None) -> Diagnosis:
     """The largest bottleneck of a profiled step and the tips that address it.
+
+    Every reading of a step that waits for the host (launch-bound, partly launch-bound, overhead-bound) carries the
+    host's cost per launch: the step's time over its kernels (operators on a CPU), and ``launch_us``, host µs per
+    call measured apart (e.g. ``{"ATen op": 4.2, "compiled call": 11.8}``), so that a reader whose CPU is faster or
+    slower can scale the result.
 
     ``amp`` is the 16-bit dtype the step runs under autocast (``torch.bfloat16`` or ``torch.float16``; None for an
     fp32 step), ``tf32`` whether the GPU has TF32 tensor cores (``utils.env.capabilities(device).tf32``). They
@@ -194,6 +218,8 @@ def diagnose(profile: StepProfile, *, amp: torch.dtype | None = None, tf32: bool
     share = kinds[largest] / busy if busy > 0 else 0.0
     idle = profile.idle_fraction
     gpu = profile.on_gpu
+    host = {"per_kernel_us": profile.wall_s * 1e6 / profile.kernels_per_step if profile.kernels else 0.0,
+            "launch_us": tuple((launch_us or {}).items())}
 
     def tips(bottleneck: str) -> tuple[str, ...]:
         keys = TIPS_FOR[bottleneck]
@@ -205,16 +231,16 @@ def diagnose(profile: StepProfile, *, amp: torch.dtype | None = None, tf32: bool
               "matmuls only)" if largest == "matmul" and amp is not None else "none of them exists on this device")
     if gpu:
         if idle >= 0.5:
-            return Diagnosis("launch-bound", "launch", idle, _tips(tips("launch")), True, idle)
+            return Diagnosis("launch-bound", "launch", idle, _tips(tips("launch")), True, idle, **host)
         if idle >= 0.2 and profile.idle_s >= kinds[largest]:
             keys = tips("launch") + tuple(k for k in tips(largest) if k not in TIPS_FOR["launch"])
-            return Diagnosis("partly launch-bound", "launch", idle, _tips(keys), True, idle)
+            return Diagnosis("partly launch-bound", "launch", idle, _tips(keys), True, idle, **host)
         keys = tips(largest) + (("cuda_graphs",) if idle >= 0.2 else ())
         bound = "partly launch-bound" if idle >= 0.2 else "GPU-bound"
-        return Diagnosis(bound, largest, share, _tips(keys), True, idle, no_tip)
+        return Diagnosis(bound, largest, share, _tips(keys), True, idle, no_tip, **host)
     if idle >= 0.5:
-        return Diagnosis("overhead-bound", "overhead", idle, _tips(tips("overhead")), False, idle)
-    return Diagnosis("compute-bound", largest, share, _tips(tips(largest)), False, idle, no_tip)
+        return Diagnosis("overhead-bound", "overhead", idle, _tips(tips("overhead")), False, idle, **host)
+    return Diagnosis("compute-bound", largest, share, _tips(tips(largest)), False, idle, no_tip, **host)
 
 
 def _tips(keys: Sequence[str]) -> tuple[Tip, ...]:
@@ -325,6 +351,19 @@ class Finding:
     workload: str | None = None  # the model it was measured on ("MLP", ...); None for a benchmark of its own
     comparison: Comparison | None = None  # the comparison the verdict came from, when given one
     expected: Expected = "faster"
+
+    @property
+    def outcome(self) -> str:
+        """The protocol's outcome in words — "faster", "slower", "no difference", "inconclusive" (with "under the
+        promised 3×" where the whole band falls short of a promised number) — for a timed claim; what was seen for
+        a claim about behaviour; "not measured here" for one skipped. Never "did not hold" for noise."""
+        if self.verdict is None:
+            return self.holds
+        words = {"faster": "faster", "slower": "slower", "same": "no difference", "inconclusive": "inconclusive"}
+        text = words[self.verdict.outcome]
+        if self.holds.startswith("partly"):
+            text += f", {self.holds.removeprefix('partly: faster, but ')}"
+        return text
 
 
 class Findings:
@@ -451,11 +490,25 @@ class Findings:
         return len(self._found)
 
     def rows(self) -> list[dict[str, str]]:
-        """Table rows: claim · what the guide promises · measured here · holds?"""
+        """Table rows: claim · what the guide promises · measured here · outcome (:attr:`Finding.outcome`: one of
+        the protocol's outcomes for a timing)."""
         if not self._found:
             raise ValueError("no findings recorded yet")
         return [{"claim": f.label, "what the guide promises": f.tip.promise, "measured here": f.measured,
-                 "holds?": f.holds} for f in self]
+                 "outcome": f.outcome} for f in self]
+
+    def counts(self) -> str:
+        """The claims by outcome, in words: "9 claims: 4 faster, 1 slower, 2 no difference, 1 inconclusive, 1 seen
+        (behaviour or a cost), 0 not measured here" — an inconclusive verdict is counted as such, never as a miss."""
+        if not self._found:
+            raise ValueError("no findings recorded yet")
+        timed = [f.verdict.outcome for f in self if f.verdict is not None]
+        skipped = sum(f.verdict is None and f.holds == "not measured here" for f in self)
+        seen = len(self) - len(timed) - skipped
+        parts = [f"{timed.count(o)} {w}" for o, w in (("faster", "faster"), ("slower", "slower"),
+                                                        ("same", "no difference"), ("inconclusive", "inconclusive"))]
+        return (f"{len(self)} claims: " + ", ".join(parts) + f", {seen} seen without a timing (behaviour, costs), "
+                f"{skipped} not measured here")
 
     def chart(self, *, title: str):
         """Speed-up per timed claim on a log axis, each with its band (the 95% interval of the median per-round
@@ -662,3 +715,275 @@ def relative_error(result: torch.Tensor, reference: torch.Tensor) -> float:
     ref = reference.detach().double()
     diff = result.detach().to(ref.device, torch.float64) - ref
     return (diff.norm() / ref.norm().clamp_min(1e-300)).item()
+
+
+# ── The workloads the tips are measured on, their training step, and the check of a variant against it ─────────
+
+#: Tolerances of a first step against its reference, by autocast dtype: (loss, gradients), relative.
+FIRST_STEP_TOLERANCE: dict[torch.dtype | None, tuple[float, float]] = {
+    None: (1e-4, 1e-3), torch.bfloat16: (2e-2, 1e-1), torch.float16: (1e-2, 5e-2)}
+_SAME = object()
+
+
+def _classify_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of the logits against the labels, for images ([B, classes]) and tokens ([B, T, vocab])."""
+    return torch.nn.functional.cross_entropy(model(x).flatten(0, -2), y.flatten())
+
+
+@dataclass
+class Workload:
+    """A model with its initial weights (never trained), one batch, and its optimizer: what a tip is measured on.
+
+    ``step()`` builds the usual training step on a fresh copy of the initial weights — ``zero_grad``, forward and
+    loss under autocast (``amp``; None: fp32), backward (through a ``GradScaler`` with fp16), optimizer step — so
+    that no variant disturbs another. ``layout`` is the memory format of 4-D models and images (ResNet-50:
+    ``torch.channels_last`` once a notebook has measured it faster).
+    """
+
+    name: str
+    model: torch.nn.Module
+    x: torch.Tensor
+    y: torch.Tensor
+    optimizer: Callable[..., torch.optim.Optimizer]
+    optimizer_name: str
+    amp: torch.dtype | None = None
+    layout: torch.memory_format = torch.contiguous_format
+    _noise: float | None = None
+
+    def fresh(self) -> torch.nn.Module:
+        """A copy of the initial weights, in ``layout``."""
+        model = copy.deepcopy(self.model)
+        return model.to(memory_format=self.layout) if self.x.dim() == 4 else model
+
+    def inputs(self) -> torch.Tensor:
+        return self.x.contiguous(memory_format=self.layout) if self.x.dim() == 4 else self.x
+
+    def step(self, *, model: torch.nn.Module | None = None, x: torch.Tensor | None = None, amp=_SAME,
+             set_to_none: bool = True, annotate: bool = False, **optimizer_options) -> Callable[..., torch.Tensor]:
+        """A training step on ``model`` (default: a fresh copy); call it as ``step()`` (this workload's batch, or
+        ``x`` where given, e.g. in another memory format) or ``step(x, y)``; it returns the loss, detached.
+        ``step.model`` and ``step.optimizer`` are what it trains;
+        ``annotate=True`` marks its phases (zero_grad, forward, backward, optimizer) with ``record_function``."""
+        amp = self.amp if amp is _SAME else amp
+        model = self.fresh() if model is None else model
+        optimizer = self.optimizer(model.parameters(), **optimizer_options)
+        scaler = torch.amp.GradScaler(self.x.device.type) if amp == torch.float16 else None
+        mark = torch.profiler.record_function if annotate else (lambda _: contextlib.nullcontext())
+        x0, y0 = self.inputs() if x is None else x, self.y
+
+        def step(x: torch.Tensor = x0, y: torch.Tensor = y0) -> torch.Tensor:
+            with mark("zero_grad"):
+                optimizer.zero_grad(set_to_none=set_to_none)
+            with mark("forward"), torch.autocast(x.device.type, dtype=amp, enabled=amp is not None):
+                loss = _classify_loss(model, x, y)
+            with mark("backward"):
+                (loss if scaler is None else scaler.scale(loss)).backward()
+            with mark("optimizer"):
+                if scaler is None:
+                    optimizer.step()
+                else:
+                    scaler.step(optimizer)
+                    scaler.update()
+            return loss.detach()
+
+        step.model, step.optimizer = model, optimizer
+        return step
+
+    def row(self) -> dict[str, str]:
+        from utils.models import count_parameters
+
+        return {"workload": self.name, "parameters": f"{count_parameters(self.model) / 1e6:.2f} M",
+                "parameter tensors": str(len(list(self.model.parameters()))), "batch": str(list(self.x.shape)),
+                "optimizer": self.optimizer_name}
+
+    def autocast_noise(self) -> float:
+        """How far autocast's first-step gradients lie from fp32's on this workload (0 without autocast)."""
+        if self._noise is None:
+            low = first_step(self.step())[1] if self.amp is not None else None
+            self._noise = 0.0 if low is None else relative_error(low, first_step(self.step(amp=None))[1])
+        return self._noise
+
+
+def workloads(device: torch.device | str, amp: torch.dtype | None) -> dict[str, Workload]:
+    """The three workloads of notebooks 07 and 07b, sized for the device, with random data (nothing downloaded):
+
+    * **MLP** (the seed's, batch 64 of MNIST-sized images, Adam): a few small kernels per step;
+    * **Transformer** (the seed's language model, dropout 0 so that two variants compare number for number,
+      AdamW): matmuls and attention with normalisation and elementwise kernels between them;
+    * **ResNet-50** (torchvision, randomly initialised, ``zero_init_residual=True`` as in Goyal et al.'s recipe,
+      without which a fresh ResNet-50's gradients blow up; SGD with momentum 0.9): convolutions, batch norm and
+      activations. On a CPU at 48 px (its last stage 2×2): at 32 px that stage is 1×1, and batch norm over 2 values
+      amplifies rounding.
+
+    A GPU with 30 GiB or more gets the larger batches (Transformer 16 × 256 tokens, ResNet-50 64 × 224²).
+    """
+    import torchvision
+
+    from utils.data import synthetic_tokens
+    from utils.env import by_device, capabilities
+    from utils.models import MLP, TransformerConfig, TransformerModel
+
+    device = torch.device(device)
+    big = device.type == "cuda" and capabilities(device).total_memory_bytes >= 30 * 2**30
+    torch.manual_seed(0)
+    config = by_device(device, cuda=TransformerConfig(dropout=0.0), cpu=TransformerConfig(
+        vocab_size=256, d_model=64, nhead=4, num_layers=1, dim_feedforward=256, dropout=0.0))
+    t_batch, t_seq = by_device(device, cpu=(4, 32), cuda=(16 if big else 8, 256))
+    r_batch, r_size = by_device(device, cpu=(2, 48), cuda=(64 if big else 32, 224))
+    resnet = torchvision.models.resnet50(weights=None, zero_init_residual=True)
+    return {
+        "MLP": Workload("MLP", MLP().to(device), torch.randn(64, 1, 28, 28, device=device),
+                        torch.randint(0, 10, (64,), device=device), torch.optim.Adam, "Adam", amp),
+        "Transformer": Workload("Transformer", TransformerModel(config).to(device),
+                                *synthetic_tokens(t_batch, t_seq, config.vocab_size, device=device),
+                                torch.optim.AdamW, "AdamW", amp),
+        "ResNet-50": Workload("ResNet-50", resnet.to(device), torch.randn(r_batch, 3, r_size, r_size, device=device),
+                              torch.randint(0, 1000, (r_batch,), device=device),
+                              lambda params, **kw: torch.optim.SGD(params, lr=0.1, momentum=0.9, **kw),
+                              "SGD, momentum 0.9", amp),
+    }
+
+
+def within(context: Callable[[], contextlib.AbstractContextManager], step: Callable) -> Callable:
+    """``step`` with every call run inside ``context()`` — a settings switch such as TF32 or cudnn.benchmark — so
+    that two settings can alternate round by round. Keeps ``step.model`` and ``step.optimizer``."""
+    def run(*args):
+        with context():
+            return step(*args)
+
+    run.__dict__.update(getattr(step, "__dict__", {}))
+    return run
+
+
+def first_step(step: Callable[[], torch.Tensor]) -> tuple[float, torch.Tensor | None]:
+    """The loss and the gradients (flattened, fp32) of a step's first call; gradients None when they are not
+    finite (with fp16, the GradScaler's first scale can overflow: it then skips the step)."""
+    loss = float(step())
+    grads = torch.cat([p.grad.detach().float().flatten() for p in step.model.parameters() if p.grad is not None])
+    return loss, grads if bool(grads.isfinite().all()) else None
+
+
+def same_first_step(variant: Callable, reference: Callable, workload: Workload, *, what: str = "the variant") -> str:
+    """Check that ``variant``'s first step gives ``reference``'s loss and gradients (both fresh steps from the same
+    weights, on the same batch) up to rounding, and say by how much they differ.
+
+    Tolerances (relative): 1e-4 for the loss and 1e-3 for the gradients in fp32; under 16-bit autocast, where each
+    operation rounds coarsely, 2e-2 and 1e-1 (bf16) or 1e-2 and 5e-2 (fp16) — or, where larger, autocast's own
+    distance from fp32 on the workload (:meth:`Workload.autocast_noise`; a tenth of it for the loss). Gradients
+    that a GradScaler skipped (not finite) are said to be, not compared.
+
+    Raises:
+        AssertionError: when the two differ beyond the tolerance.
+    """
+    got, expected = first_step(variant), first_step(reference)
+    loss_tol, grad_tol = FIRST_STEP_TOLERANCE[workload.amp]
+    noise = workload.autocast_noise()
+    loss_tol, grad_tol = max(loss_tol, noise / 10), max(grad_tol, noise)
+    loss_err = abs(got[0] / expected[0] - 1) if expected[0] else abs(got[0])
+    both = got[1] is not None and expected[1] is not None
+    grad_err = relative_error(got[1], expected[1]) if both else 0.0
+    if not (loss_err <= loss_tol and grad_err <= grad_tol):
+        raise AssertionError(f"{what}: loss differs by {loss_err:.1e} (tolerance {loss_tol:.0e}), gradients by "
+                             f"{grad_err:.1e} (tolerance {grad_tol:.0e})")
+    return (f"{what} computes the same first step: loss {loss_err:.0e}, "
+            + (f"gradients {grad_err:.0e}" if both else "gradients not finite (fp16 scale), not compared")
+            + f" (tolerances {loss_tol:.0e}, {grad_tol:.0e})")
+
+
+# ── After every timing: each comparison's variants profiled, and what changed printed for every outcome ──────
+
+
+@dataclass(frozen=True)
+class ToProfile:
+    """The steps a comparison timed (name → callable, the comparison's variant names), to profile after every
+    timing of the process; ``kind`` the class of kernels the tip acts on ('conv', 'matmul', ...), if any."""
+
+    steps: Mapping[str, Callable[[], object]]
+    comparison: Comparison
+    kind: str | None = None
+    unit: str = "step"
+    profiled_steps: int | None = None
+
+
+def explain_by_profiles(findings: Findings, pairs: Mapping[str, ToProfile], *, steps: int = 5,
+                        progress: bool = True) -> dict[str, dict[str, StepProfile]]:
+    """Profile every comparison's variants (:func:`utils.profile.profile_steps`, against the time the comparison
+    measured for each) and print, for every finding whose verdict came from that comparison, its verdict and what
+    changed between the two profiles (:func:`profile_change`) — whatever the outcome, so that a gain, a null and an
+    inconclusive result are all read against the GPU's work. Returns the profiles, key → variant → StepProfile.
+
+    Call it after every timing of the process: a profile slows host-bound code after it, and ``utils.bench``
+    refuses to time once one has run.
+    """
+    from utils.profile import profile_steps
+
+    out: dict[str, dict[str, StepProfile]] = {}
+    items = list(pairs.items())
+    if progress:
+        from tqdm.auto import tqdm
+
+        items = tqdm(items, desc="profiles", leave=False)
+    for key, pair in items:
+        out[key] = {name: profile_steps(step, step_s=pair.comparison.time_s(name), unit=pair.unit,
+                                        steps=pair.profiled_steps or steps)
+                    for name, step in pair.steps.items()}
+        for f in findings:
+            v = f.verdict
+            if f.comparison is pair.comparison and {v.baseline, v.variant} <= out[key].keys():
+                reading = profile_change(out[key][v.baseline], out[key][v.variant], kind=pair.kind)
+                print(f"{f.label}: {f.measured} — {reading}")
+    return out
+
+
+def same_gradients(model: torch.nn.Module, reference: Callable, workload: Workload, *, what: str) -> str:
+    """Check the gradients ``model`` holds after a first step taken elsewhere (e.g. a compiled step's first call,
+    timed as its compile) against ``reference``'s first step (a fresh step from the same weights), with the
+    tolerances of :func:`same_first_step`; say by how much they differ.
+
+    Raises:
+        AssertionError: when they differ beyond the tolerance, or the model holds no gradients.
+    """
+    held = [p.grad for p in model.parameters() if p.grad is not None]
+    if not held:
+        raise AssertionError(f"{what}: the model holds no gradients: take its first step before the check")
+    grads = torch.cat([g.detach().float().flatten() for g in held])
+    expected = first_step(reference)[1]
+    grad_tol = max(FIRST_STEP_TOLERANCE[workload.amp][1], workload.autocast_noise())
+    if expected is None or not bool(grads.isfinite().all()):
+        return f"{what}: gradients not finite (fp16 scale), not compared"
+    err = relative_error(grads, expected)
+    if err > grad_tol:
+        raise AssertionError(f"{what}: gradients differ by {err:.1e} (tolerance {grad_tol:.0e})")
+    return f"{what} computes eager's first-step gradients: relative error {err:.0e} (tolerance {grad_tol:.0e})"
+
+
+def profile_tables(prof, *, phases: Sequence[str], steps: int, on_gpu: bool) -> float:
+    """Print what a hand-opened profile (:func:`utils.profile.session`) of ``steps`` annotated steps says: per
+    ``record_function`` range, its host time and the kernels launched inside it (:func:`range_totals`, so that
+    ``backward`` gets the kernels autograd launches from its own threads); then the longest idle gaps, each with the
+    range in which the host launched the kernel the GPU waited for (:func:`idle_gaps`). Returns the share of the
+    profiled window the device sat idle (the profiler's own bookkeeping slows the host: a host-paced step looks
+    idler here than unprofiled). On a CPU the top-level operators stand in for kernels."""
+    from utils.plot import table
+    from utils.profile import cpu_operators, gpu_kernels
+
+    kernels = gpu_kernels(prof) if on_gpu else cpu_operators(prof)
+    ranges = [r for r in annotation_ranges(prof) if r[0] in phases]
+    work, what = ("GPU", "kernels") if on_gpu else ("operator", "operators")
+    all_us = sum(k.duration_us for k in kernels) or 1.0
+    totals = list(range_totals(kernels, ranges).values())
+    outside = outside_ranges(kernels, ranges)
+    rows = [{"range": t.name, "on the host": format_seconds(t.span_us / 1e6 / steps) if t.calls else "—",
+             f"{work} time of its {what}": format_seconds(t.device_us / 1e6 / steps), what: f"{t.kernels / steps:.0f}",
+             f"share of all {work} time": f"{t.device_us / all_us:.0%}"}
+            for t in totals + ([outside] if outside else [])]
+    table(rows, title=f"Per step: the {what} launched in each range, and their {work} time")
+    gaps = idle_gaps(kernels, ranges=ranges, top=5)
+    table([{"gap begins": f"{g.start_us / 1e3:.2f} ms", "idle for": format_seconds(g.duration_us / 1e6),
+            "next launched in": g.inside or "—", "next": g.next_kernel[:60]} for g in gaps] or [{"gap": "none"}],
+          title=f"The longest idle gaps of {steps} steps")
+    window_us = max(k.end_us for k in kernels) - min(k.start_us for k in kernels)
+    idle = sum(g.duration_us for g in idle_gaps(kernels, top=len(kernels))) / window_us if window_us > 0 else 0.0
+    print(f"Between the first and the last {what[:-1]} of the profile ({format_seconds(window_us / 1e6)}), the "
+          f"{'GPU' if on_gpu else 'CPU'} sat idle {idle:.0%} of the time")
+    return idle

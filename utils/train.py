@@ -27,11 +27,17 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """Mean cross-entropy of ``features @ weight.T + bias`` against ``targets``, one chunk of tokens at a time, with
     the gradients computed in forward (the gradient of cross-entropy with respect to the logits is
-    softmax − one-hot, known as soon as a chunk's logits are): backward only scales them by the incoming gradient."""
+    softmax − one-hot, known as soon as a chunk's logits are): backward only scales them by the incoming gradient.
+
+    ``grad_scale`` (None, a number or a 0-d tensor): the loss scale that backward's incoming gradient will carry (a
+    GradScaler's). The logits' gradient is then made at that scale before its 16-bit cast, as the plain loss's
+    backward would carry it, and the fp32 results are divided by it again."""
 
     @staticmethod
-    def forward(ctx, features, weight, bias, targets, chunk_tokens, compute_dtype, need_grad):
+    def forward(ctx, features, weight, bias, targets, chunk_tokens, compute_dtype, need_grad, grad_scale=None):
         n = len(targets)
+        # the 16-bit logit gradients: (softmax − one-hot) × factor; the fp32 results are divided by `unit`
+        factor, unit = (None, n) if grad_scale is None else (grad_scale / n, grad_scale)
         w = weight.to(compute_dtype)
         b = bias.to(compute_dtype) if bias is not None else None
         total = torch.zeros((), device=features.device, dtype=torch.float32)
@@ -53,10 +59,12 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 probs[torch.arange(len(t), device=t.device), t] -= 1.0  # − one-hot: d(loss sum)/d(logits)
                 if grad_bias is not None:
                     grad_bias += probs.sum(dim=0).div_(n)  # from the fp32 values: no second fp32 copy
-                g = probs.to(compute_dtype)  # the 1/n of the mean is applied to the small results below
+                if factor is not None:
+                    probs.mul_(factor)  # at the loss scale, as the plain loss's backward would carry them
+                g = probs.to(compute_dtype)  # without a scale: the summed loss's gradient, n × the mean's
                 del probs
-                grad_features[start:start + chunk_tokens] = (g @ w).float().div_(n).to(features.dtype)
-                grad_weight += (g.t() @ x).float().div_(n)
+                grad_features[start:start + chunk_tokens] = (g @ w).float().div_(unit).to(features.dtype)
+                grad_weight += (g.t() @ x).float().div_(unit)
                 del g
             else:
                 del log_probs
@@ -69,11 +77,12 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_features, grad_weight, grad_bias = ctx.saved_tensors
         weight_dtype, bias_dtype = ctx.dtypes
         return (grad_features * grad_loss.to(grad_features.dtype), (grad_weight * grad_loss).to(weight_dtype),
-                (grad_bias * grad_loss).to(bias_dtype) if grad_bias is not None else None, None, None, None, None)
+                (grad_bias * grad_loss).to(bias_dtype) if grad_bias is not None else None,
+                None, None, None, None, None)
 
 
 def chunked_lm_loss(features: torch.Tensor, head: nn.Linear, targets: torch.Tensor, *,
-                    chunk_tokens: int = 2048) -> torch.Tensor:
+                    chunk_tokens: int = 2048, grad_scale: float | torch.Tensor | None = None) -> torch.Tensor:
     """:func:`lm_loss` of ``head(features)``, computed ``chunk_tokens`` tokens at a time, never holding the logits.
 
     The plain loss materialises the logits [tokens, vocabulary] and, for backward, keeps the log-probabilities:
@@ -87,6 +96,14 @@ def chunked_lm_loss(features: torch.Tensor, head: nn.Linear, targets: torch.Tens
     and the softmax in fp32, as autocast would; the value equals ``lm_loss(head(features), targets)`` up to
     rounding. Gradients are computed only when autograd needs them. One chunk's logits cost 8 bytes each while it
     runs (fp32 logits and their log-softmax), whatever the precision.
+
+    **fp16 and the GradScaler.** The logits' gradients are cast to the compute dtype in the *forward* pass, before
+    ``scaler.scale(loss).backward()`` multiplies anything: a GradScaler alone never lifts them out of fp16's
+    underflow range. Pass the scale that backward will carry as ``grad_scale`` (a float or a 0-d device tensor;
+    :func:`chunked_loss_fn` with ``scaler=`` does it without a host synchronisation): the 16-bit gradients are then
+    made at that scale, exactly as the plain loss's backward would carry them, so the scaler protects them (and
+    detects their overflow) as it does the plain loss's. Without it they are the summed loss's gradients, as if
+    under a fixed loss scale of the token count. bf16 has fp32's range and needs neither.
 
     Raises:
         ValueError: for a non-positive ``chunk_tokens`` or features and targets of different token counts.
@@ -102,14 +119,22 @@ def chunked_lm_loss(features: torch.Tensor, head: nn.Linear, targets: torch.Tens
                                                                                               head.bias))
     with torch.autocast(device_type, enabled=False):  # the dtypes are chosen above, as autocast would
         return _ChunkedLinearCrossEntropy.apply(flat, head.weight, head.bias, flat_targets, chunk_tokens,
-                                                compute_dtype, need_grad)
+                                                compute_dtype, need_grad, grad_scale)
 
 
-def chunked_loss_fn(chunk_tokens: int = 2048) -> LossFn:
+def chunked_loss_fn(chunk_tokens: int = 2048, *, scaler: torch.amp.GradScaler | None = None) -> LossFn:
     """A ``loss_fn`` for :func:`train_step` computing :func:`chunked_lm_loss` on a model with ``features()`` and
-    ``head`` (``utils.models.TransformerModel``)."""
+    ``head`` (``utils.models.TransformerModel``).
+
+    ``scaler``: the GradScaler of the fp16 step this loss trains with. Its current scale is read on the device
+    (``scaler.scale(ones)``, no host synchronisation) and passed as ``grad_scale``, so the gradients the loss makes
+    in its forward pass are scaled as the plain loss's would be (see :func:`chunked_lm_loss`)."""
     def loss_fn(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return chunked_lm_loss(model.features(inputs), model.head, targets, chunk_tokens=chunk_tokens)
+        grad_scale = None
+        if scaler is not None and scaler.is_enabled():
+            grad_scale = scaler.scale(torch.ones((), device=inputs.device))
+        return chunked_lm_loss(model.features(inputs), model.head, targets, chunk_tokens=chunk_tokens,
+                               grad_scale=grad_scale)
 
     return loss_fn
 

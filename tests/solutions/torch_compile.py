@@ -2,28 +2,6 @@
 
 import math
 
-import torch
-
-
-def clip_scale_fixed(x):
-    peak = x.abs().max()
-    return 2 * torch.where(peak > 1.0, x / peak, x)
-
-
-def compile_once(fn, backend):
-    return torch.compile(fn, backend=backend, dynamic=True)
-
-
-def compile_once_marked(fn, backend):
-    """The other correct answer: mark the batch dimension dynamic on every input before the call."""
-    compiled = torch.compile(fn, backend=backend)
-
-    def call(x):
-        torch._dynamo.mark_dynamic(x, 0)
-        return compiled(x)
-
-    return call
-
 
 def max_compile_speedup(step_ms, library_ms):
     if library_ms > step_ms:
@@ -31,9 +9,9 @@ def max_compile_speedup(step_ms, library_ms):
     return math.inf if library_ms == 0 else step_ms / library_ms
 
 
-def _clip_scale_item(x):
-    peak = x.abs().max().item()
-    return 2 * (x / peak if peak > 1.0 else x)
+def break_even_steps(compile_s, eager_ms, compiled_ms):
+    saved_ms = eager_ms - compiled_ms
+    return math.inf if saved_ms <= 0 else math.ceil(compile_s * 1e3 / saved_ms)
 
 
 def _bound_without_edge_cases(step_ms, library_ms):
@@ -41,25 +19,19 @@ def _bound_without_edge_cases(step_ms, library_ms):
 
 
 CASES = {
-    "graph_break_fixed": ([clip_scale_fixed], [
-        ("keeps the Python branch", [lambda x: 2 * (x / x.abs().max() if x.abs().max() > 1.0 else x)], "graph break"),
-        ("reads the peak with .item()", [_clip_scale_item], "graph break"),
-        ("always divides by the peak", [lambda x: 2 * x / x.abs().max()], "differs"),
-        ("forgets the factor 2", [lambda x: torch.where(x.abs().max() > 1.0, x / x.abs().max(), x)], "differs"),
-    ]),
-    "compiles_once": ([compile_once], [
-        ("compiles with dynamic=False", [lambda fn, backend: torch.compile(fn, backend=backend, dynamic=False)],
-         "dynamic=False"),
-        ("keeps the default dynamic=None", [lambda fn, backend: torch.compile(fn, backend=backend)], "default"),
-        ("ignores the backend it is given", [lambda fn, backend: torch.compile(fn, backend="eager", dynamic=True)],
-         "backend=backend"),
-        ("does not compile at all", [lambda fn, backend: fn], "nothing was compiled"),
-    ]),
     "amdahl_bound": ([max_compile_speedup], [
         ("divides by the time outside the library", [lambda s, lib: s / (s - lib) if s > lib else math.inf],
          "the matmuls stay"),
         ("returns the library share", [lambda s, lib: lib / s], "share of the step"),
         ("divides by zero without library time", [_bound_without_edge_cases], "divides by zero"),
         ("accepts library_ms > step_ms", [lambda s, lib: math.inf if lib == 0 else s / lib], "ValueError"),
+    ]),
+    "break_even": ([break_even_steps], [
+        ("does not round up", [lambda c, e, k: c * 1e3 / (e - k) if e > k else math.inf], "round up"),
+        ("mixes seconds and milliseconds", [lambda c, e, k: math.ceil(c / (e - k)) if e > k else math.inf],
+         "seconds"),
+        ("divides by the compiled step", [lambda c, e, k: math.ceil(c * 1e3 / k) if e > k else math.inf],
+         "what each step saves"),
+        ("returns a negative count when slower", [lambda c, e, k: math.ceil(c * 1e3 / (e - k))], "never pays off"),
     ]),
 }

@@ -1,4 +1,5 @@
-"""Checks for the exercises of notebook 07 · The performance playbook.
+"""Checks for the exercises of notebooks 07 · The performance playbook (TF32's error, tuning's pay-off) and 07b ·
+Launch-bound steps (which tip).
 
 The first check builds step profiles whose answers are clear by construction (a step idle most of the time, one
 spent in matmuls spread over few kernels among many small ones, ...); the second measures what rounding a matmul's
@@ -91,7 +92,7 @@ _ERROR_CASES = [(10, 256, "TF32, k = 256"), (10, 4096, "TF32, k = 4,096"), (7, 1
                 (3, 512, "fp8 e4m3's 3 bits, k = 512")]
 
 
-@exercise("2 · TF32's error, predicted")
+@exercise("1 · TF32's error, predicted")
 def tf32_error(answer, *, measured_tf32: float | None = None, measured_fp32: float | None = None) -> str:
     """``answer(mantissa_bits, k)`` predicts, within a factor of 4, the relative error of a matmul of random
     matrices (inner dimension k) whose inputs are rounded to ``mantissa_bits`` bits and summed exactly."""
@@ -126,7 +127,7 @@ _PAYOFF_CASES = [((2.0, 0.5, 0.25), 8), ((0.75, 0.5, 0.25), 3), ((0.8, 0.5, 0.25
                  ((1.0, 0.25, 0.5), math.inf)]
 
 
-@exercise("3 · When does tuning pay off?")
+@exercise("2 · When does tuning pay off?")
 def steps_to_pay_off(answer, *, tuning_s: float | None = None, step_s: float | None = None,
                      tuned_step_s: float | None = None) -> str:
     """``answer(tuning_s, step_s, tuned_step_s)``: the fewest whole steps after which a one-off tuning cost has been

@@ -1,0 +1,616 @@
+"""torch.compile measured: what it generated, what the first calls cost from cold caches, when that pays off, and
+whether the compiled result matches eager.
+
+Notebooks 04 and 04b keep the subject inline (the ``torch.compile`` calls, the compiled training step); this module
+holds what measures and checks it::
+
+    backend = utils.compile.choose_backend(caps)            # Inductor where it can generate code here, else why not
+    out = utils.compile.generated(torch.compile(fn), x)     # the kernels Inductor generated, and an excerpt
+    compiled = utils.compile.compile_cold({"whole step": make_step})   # each built and first called, cold
+    timing = utils.bench.compare({"eager": eager} | {k: c.fn for k, c in compiled.items()})
+    utils.compile.payoff(timing, compiled).table()          # compile cost and break-even, from that one comparison
+
+**First calls.** The first call of a compiled function traces it (Dynamo), traces its backward (AOTAutograd) and
+generates and compiles kernels (Inductor). In ``mode="reduce-overhead"`` the graph trees run the first call as a
+warm-up, *record* the CUDA graphs on the second, and replay from the third: so :func:`compile_cold` times the
+first ``calls`` (default 3) calls one by one, and what compiling added is their sum less as many steady-state
+steps. A compiled optimizer may also compile its first step apart from the later ones (its state is created on the
+first): the three calls cover that too.
+
+**Cold.** Every variant is built and first called in :func:`utils.compile_cache.cold` (``keep_compiled=True``): an
+empty cache directory and cleared in-memory caches, so its cost is what a first run on a new machine pays. A check
+passed to :func:`compile_cold` runs inside the same block, after the timing: where it compiles the same graphs, it
+loads them from that block's cache instead of compiling them again.
+
+**Break-even.** After *n* steps eager has cost ``n · t_eager`` and a compiled variant ``cost + n · t_compiled``, so
+compiling pays off after ``ceil(cost / (t_eager − t_compiled))`` steps. :class:`Payoff` takes ``t_compiled`` from
+the comparison's one number (``t_eager / speed-up``), so the table, the verdicts and the break-even agree. A
+variant that is not resolved faster never pays off.
+
+**Checks.** :func:`check_outputs` compares named results (tensors, or dicts of tensors counted by their worst
+entry) by relative error ‖a − b‖ / ‖b‖. In full precision the compiled result must lie within ``tolerance`` of
+eager. Under 16-bit autocast eager is itself far from fp32, and a fixed tolerance between the two would sit near
+the rounding; so both are measured against the same model run in fp32, and the compiled result may lie at most
+``slack`` (1.5) times as far from it as eager does, plus ``floor`` (1e-3). A result that is not finite fails; a
+reference that is not finite skips its row and says so; a check in which every row was skipped fails: it compared
+nothing. :func:`check_training_step` and :func:`check_optimizer_step` build the cases for a training step.
+
+**Autotuning.** ``max-autotune`` benchmarks, at compile time, Triton matmul templates against cuBLAS for every
+distinct matmul shape, and configurations of the generated kernels. Inductor uses its matmul templates only on a
+GPU with at least 68 SMs (its ``is_big_gpu`` rule, e.g. an RTX 3080 or larger): :func:`autotune_skip_reason` applies
+that rule to the SM count the device reports. Bound the cost with
+``torch._inductor.config.patch(max_autotune_gemm_backends="ATEN,TRITON", max_autotune_gemm_search_space="DEFAULT")``
+and autotune a single matmul-heavy function, not a whole model: the cost grows with every distinct shape.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import math
+import re
+import time
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+from utils.compile_cache import GraphCounts, cold, graph_counts, quiesce
+from utils.env import Capabilities, get_device, synchronize
+
+#: Inductor's ``is_big_gpu`` rule: the fewest SMs of a GPU on which it uses its Triton matmul templates.
+MIN_SMS_FOR_MATMUL_TEMPLATES = 68
+
+
+# ── Which backend can compile here ─────────────────────────────────────────────────────────────────────────────
+
+
+@dataclass(frozen=True)
+class Backend:
+    """The ``backend=`` to pass to ``torch.compile`` on this machine, and why."""
+
+    name: str  # "inductor", or "aot_eager" where Inductor cannot generate code
+    device_type: str
+    reason: str
+
+    @property
+    def generates_code(self) -> bool:
+        return self.name == "inductor"
+
+    @property
+    def cuda_graphs(self) -> bool:
+        """Whether ``mode="reduce-overhead"`` (CUDA graphs, an Inductor mode) can run here."""
+        return self.generates_code and self.device_type == "cuda"
+
+    def __str__(self) -> str:
+        return self.reason
+
+
+def choose_backend(caps: Capabilities) -> Backend:
+    """Inductor where it can generate code for this device: Triton kernels on a CUDA GPU that Triton supports
+    (``caps.triton``: importable, compute capability 7.0 or newer), C++ kernels on a CPU with a C++ compiler on PATH
+    (``caps.cxx``). Elsewhere ``"aot_eager"``: Dynamo and AOTAutograd capture the graphs, no code is generated, so the
+    notebook still runs and says why it cannot show a speed-up."""
+    if caps.device == "cpu":
+        if caps.cxx:
+            return Backend("inductor", "cpu", f"torch.compile uses Inductor here: C++ kernels built with {caps.cxx}")
+        why = "no C++ compiler on PATH (Inductor builds its CPU kernels with g++ or clang)"
+    else:
+        if caps.triton:
+            return Backend("inductor", "cuda", f"torch.compile uses Inductor here: Triton kernels for {caps.name} "
+                                               f"({caps.arch})")
+        why = f"Triton does not run on {caps.name} ({caps.arch}; it needs sm_70 or newer and the triton package)"
+    return Backend("aot_eager", caps.device.split(":")[0],
+                   f"Inductor cannot generate code here: {why}. Compiling with backend='aot_eager' instead: graphs "
+                   "are captured, no kernel is generated, so expect no speed-up")
+
+
+def autotune_skip_reason(caps: Capabilities) -> str | None:
+    """None where ``max-autotune`` can autotune matmuls here; else why not, in a sentence.
+
+    Inductor uses its Triton matmul templates only on GPUs with at least :data:`MIN_SMS_FOR_MATMUL_TEMPLATES` SMs
+    (its private ``torch._inductor.utils.is_big_gpu``); this applies that rule to ``caps.sm_count``. Elsewhere
+    ``max-autotune`` would tune only the generated kernels."""
+    if caps.device == "cpu":
+        return "autotuning benchmarks GPU kernels; on a CPU this notebook keeps to the default mode"
+    if not caps.triton:
+        return f"Triton does not run on {caps.name}, and max-autotune's candidates are Triton kernels"
+    if caps.sm_count is None or caps.sm_count < MIN_SMS_FOR_MATMUL_TEMPLATES:
+        return (f"{caps.name} has {caps.sm_count} SMs; Inductor uses its Triton matmul templates only from "
+                f"{MIN_SMS_FOR_MATMUL_TEMPLATES} SMs up, so max-autotune would tune only the generated kernels")
+    return None
+
+
+# ── What Inductor generated ────────────────────────────────────────────────────────────────────────────────────
+
+_KERNEL = re.compile(r"^(\w+) = async_compile\.(triton|cpp_pybinding|cpp)\(", re.MULTILINE)
+
+
+@dataclass(frozen=True)
+class Generated:
+    """What a compiled call returned and the Python modules Inductor generated for it (empty for other backends)."""
+
+    output: object
+    modules: tuple[str, ...]
+
+    @property
+    def kernels(self) -> list[str]:
+        """Names of the generated kernels (Triton or C++), in the order of the modules."""
+        return [m.group(1) for code in self.modules for m in _KERNEL.finditer(code)]
+
+    @property
+    def language(self) -> str:
+        kinds = {m.group(2) for code in self.modules for m in _KERNEL.finditer(code)}
+        return "Triton" if kinds == {"triton"} else "C++" if kinds and "triton" not in kinds else "mixed"
+
+    def excerpt(self, max_lines: int = 30, width: int = 118) -> str:
+        """The first kernel's source: a Triton kernel up to a few lines after its first store, or C++'s first lines."""
+        if not self.kernels:
+            return "(no kernel was generated)"
+        name = self.kernels[0]
+        lines = next(code for code in self.modules if f"{name} = " in code).splitlines()
+        start = next((i for i, line in enumerate(lines) if f"def {name}(" in line),
+                     next(i for i, line in enumerate(lines) if line.startswith(f"{name} = ")))
+        store = next((i for i in range(start, len(lines)) if "tl.store" in lines[i]), None)
+        end = min(store + 3 if store is not None else start + max_lines, start + max_lines)
+        return "\n".join(line[:width] for line in lines[start:end]) + "\n    ..."
+
+    def __str__(self) -> str:
+        if not self.modules:
+            return "no code generated (a backend other than Inductor)"
+        n, lines = len(self.kernels), sum(len(code.splitlines()) for code in self.modules)
+        return f"{n} generated {self.language} kernel{'s' * (n != 1)} in {lines} lines of generated Python"
+
+
+def generated(compiled: Callable[..., object], *args, **kwargs) -> Generated:
+    """Call ``compiled(*args, **kwargs)`` and return its output with the code Inductor generated for it
+    (``torch._inductor.utils.run_and_get_code``; the same code ``TORCH_LOGS="output_code"`` prints). Call it on the
+    first call: a call that compiles nothing generates nothing."""
+    from torch._inductor.utils import run_and_get_code
+
+    with captured_logs():
+        output, modules = run_and_get_code(compiled, *args, **kwargs)
+    return Generated(output, tuple(modules))
+
+
+# ── Logs ───────────────────────────────────────────────────────────────────────────────────────────────────────
+
+
+@contextlib.contextmanager
+def captured_logs(**artifacts: bool) -> Iterator[list[str]]:
+    """Collect Dynamo's and Inductor's log messages (and the C++ extension builder's), plus artifacts such as
+    ``graph_breaks=True``, ``recompiles=True``, ``perf_hints=True`` (what ``TORCH_LOGS`` would print), in a list
+    instead of printing them. Each message is "[artifact or logger] text". Leaving the block resets the
+    artifacts (``torch._logging.set_logs()``)."""
+    messages: list[str] = []
+    loggers = [logging.getLogger(name) for name in ("torch._dynamo", "torch._inductor", "torch.utils.cpp_extension")]
+    saved = [(logger.handlers[:], logger.propagate) for logger in loggers]
+    torch._logging.set_logs(**artifacts)
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(f"[{record.name.rsplit('__', 1)[-1]}] {record.getMessage()}")
+    for logger in loggers:
+        logger.handlers, logger.propagate = [handler], False
+    try:
+        yield messages
+    finally:
+        torch._logging.set_logs()  # the artifacts off again; it also resets handlers, so restore them after it
+        for logger, (handlers, propagate) in zip(loggers, saved, strict=True):
+            logger.handlers, logger.propagate = handlers, propagate
+
+
+@contextlib.contextmanager
+def quiet_autotuning() -> Iterator[list[int]]:
+    """Keep max-autotune's reports (a table of candidate timings per matmul shape, on stderr) and its warnings out of
+    the notebook. Yields a list that receives, on leaving, the number of matmul shapes it benchmarked."""
+    captured, logger, tuned = io.StringIO(), logging.getLogger("torch._inductor"), []
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        with contextlib.redirect_stderr(captured), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield tuned
+    finally:
+        logger.setLevel(level)
+        tuned.append(sum(line.startswith("AUTOTUNE ") for line in captured.getvalue().splitlines()))
+
+
+# ── Compiling variants cold, and what their first calls cost ───────────────────────────────────────────────────
+
+
+def _dynamo_graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+@dataclass(frozen=True)
+class Compiled:
+    """A variant built and first called in an empty cache: the callable (still compiled) and its first calls."""
+
+    label: str
+    fn: Callable[[], object]
+    call_s: tuple[float, ...]  # seconds of each first call, synchronised
+    graphs: GraphCounts  # what Inductor compiled and loaded from the cache during the first calls
+    dynamo_graphs: int  # graphs Dynamo captured during the first calls
+    logs: tuple[str, ...] = ()  # graph breaks and Inductor's perf hints logged by the compile (TORCH_LOGS artifacts)
+
+    @property
+    def first_s(self) -> float:
+        return sum(self.call_s)
+
+
+def first_calls(label: str, make: Callable[[], Callable[[], object]], *, calls: int = 3,
+                device: torch.device | str | None = None) -> Compiled:
+    """``fn = make()``, then its first ``calls`` calls timed one by one (synchronised), in the current caches. The
+    compile's log messages (graph breaks, perf hints, warnings) are kept in ``Compiled.logs``, not printed.
+
+    Raises:
+        ValueError: for fewer than 1 call.
+        TypeError: if ``make()`` returns something that is not callable.
+    """
+    if calls < 1:
+        raise ValueError(f"first_calls() needs at least 1 call, got {calls}")
+    device = get_device(device)
+    before, captured = graph_counts(), _dynamo_graphs()
+    fn = make()
+    if not callable(fn):
+        raise TypeError(f"{label}: make() must return the step to call, got {type(fn).__name__}")
+    times = []
+    with captured_logs(graph_breaks=True, perf_hints=True) as logs:
+        for _ in range(calls):
+            synchronize(device)
+            start = time.perf_counter()
+            fn()
+            synchronize(device)
+            times.append(time.perf_counter() - start)
+    return Compiled(label, fn, tuple(times), graph_counts() - before, _dynamo_graphs() - captured, tuple(logs))
+
+
+def compile_cold(makers: Mapping[str, Callable[[], Callable[[], object]]], *, calls: int = 3,
+                 checks: Mapping[str, Callable[[], object]] | None = None,
+                 expect: str | None = None, device: torch.device | str | None = None) -> dict[str, Compiled]:
+    """Build and first-call every variant, each in its own empty cache (:func:`utils.compile_cache.cold` with
+    ``keep_compiled=True``, so the variants built before stay compiled), with a progress bar.
+
+    Args:
+        makers: label → a function that builds the compiled step (``torch.compile`` happens inside) and returns it.
+        calls: first calls timed per variant: compile, and in ``reduce-overhead`` the CUDA graphs' warm-up,
+            recording and first replay.
+        checks: label → ``check()``, run in that variant's block after its first calls (so that a check that
+            compiles the same graphs loads them from the block's cache), its log messages kept out of the output.
+        expect: the expected wait, printed before the progress bar ("about 10–40 s per variant on a GPU").
+
+    After every variant the compile workers are shut down and the garbage collected
+    (:func:`utils.compile_cache.quiesce`), so that nothing of the compiles slows what is timed next.
+
+    Raises:
+        RuntimeError: if a variant's first calls captured no graph at all (it would be timed as "compiled" while
+            running eagerly).
+    """
+    from tqdm.auto import tqdm
+
+    checks = checks or {}
+    unknown = set(checks) - set(makers)
+    if unknown:
+        raise ValueError(f"compile_cold(): checks for variants that are not built: {sorted(unknown)}")
+    print(f"Compiling {len(makers)} variant{'s' * (len(makers) != 1)}, each from an empty cache"
+          + (f": {expect}" if expect else "") + ".")
+    out: dict[str, Compiled] = {}
+    for label, make in tqdm(makers.items(), desc="compiling, cold", total=len(makers), leave=False):
+        with cold(keep_compiled=True):
+            out[label] = first_calls(label, make, calls=calls, device=device)
+            if label in checks:
+                with captured_logs():
+                    checks[label]()
+        quiesce()
+        if out[label].dynamo_graphs == 0 and out[label].graphs.compiled == 0:
+            raise RuntimeError(f"{label}: its first calls compiled no graph, so it would run eagerly")
+    return out
+
+
+# ── Compile cost and break-even, from the one comparison ───────────────────────────────────────────────────────
+
+
+def _plural(unit: str) -> str:
+    """'steps', 'calls', 'forward passes'."""
+    return unit + ("es" if unit.endswith(("s", "sh", "ch", "x")) else "s")
+
+
+@dataclass(frozen=True)
+class Payoff:
+    """Compiled variants' one-off cost against their steady state, both from the same comparison. Build it with
+    :func:`payoff`."""
+
+    comparison: object  # utils.bench.Comparison
+    compiled: Mapping[str, Compiled]
+    unit: str = "step"
+
+    @property
+    def eager_s(self) -> float:
+        return self.comparison.time_s(self.comparison.baseline)
+
+    def step_s(self, label: str) -> float:
+        """The variant's step time as the comparison's one number gives it: eager's time over the speed-up."""
+        return self.eager_s / self.comparison.speedup(label)
+
+    def cost_s(self, label: str) -> float:
+        """What compiling added: the first calls less as many steady-state steps (never below 0)."""
+        c = self.compiled[label]
+        return max(c.first_s - len(c.call_s) * self.step_s(label), 0.0)
+
+    def steps(self, label: str) -> int | None:
+        """Steps after which compiling has paid for itself; None when the variant is not resolved faster."""
+        if self.comparison.verdict(label).outcome != "faster":
+            return None
+        return max(1, math.ceil(self.cost_s(label) / (self.eager_s - self.step_s(label))))
+
+    def summary(self, label: str) -> str:
+        """'compile 21.3 s from cold caches, paid off after 1,512 steps (30 s of eager work)', or 'never paid off'."""
+        n = self.steps(label)
+        head = f"compile {self.cost_s(label):.1f} s from cold caches"
+        if n is None:
+            return f"{head}, never paid off here (not resolved faster than eager)"
+        return f"{head}, paid off after {n:,} {_plural(self.unit)} ({n * self.eager_s:,.1f} s of eager work)"
+
+    def explain(self, label: str) -> str:
+        """The variant's line: its :meth:`summary`, and where it never pays off, its verdict against eager."""
+        line = f"{label}: {self.summary(label)}"
+        if self.steps(label) is None:
+            line += f" — its {self.unit} against eager: {self.comparison.verdict(label).text}"
+        return line
+
+    def rows(self) -> list[dict[str, object]]:
+        from utils.bench import format_seconds, ratio_text
+
+        rows = []
+        for label, c in self.compiled.items():
+            n = self.steps(label)
+            rows.append({"variant": label, f"per {self.unit}": format_seconds(self.step_s(label)),
+                         "speed-up": ratio_text(self.comparison.speedup(label)),
+                         "first calls": " + ".join(f"{s:.1f}" for s in c.call_s) + " s",
+                         "compile (s)": f"{self.cost_s(label):.1f}", "Inductor graphs": str(c.graphs),
+                         "pays off after": "never" if n is None else f"{n:,} {_plural(self.unit)}"})
+        return rows
+
+    def table(self, title: str | None = None) -> None:
+        from utils.plot import format_table
+
+        calls = sorted({len(c.call_s) for c in self.compiled.values()})
+        first = "first call less one" if calls == [1] else f"first {'/'.join(map(str, calls))} calls less as many"
+        print(format_table(self.rows(), title=f"{title or 'Compile cost and break-even'}; compile = the {first} "
+                                              f"{self.unit if calls == [1] else _plural(self.unit)}, from cold caches"))
+
+    def curves(self, max_steps: int = 2**20) -> dict[str, tuple[list[int], list[float]]]:
+        """Cumulative seconds after n steps (1 … max_steps, log-spaced): eager, and each variant with its cost."""
+        xs = sorted({round(2 ** (i / 4)) for i in range(4 * int(math.log2(max_steps)) + 1)})
+        out = {"eager": (xs, [n * self.eager_s for n in xs])}
+        for label in self.compiled:
+            out[label] = (xs, [self.cost_s(label) + n * self.step_s(label) for n in xs])
+        return out
+
+    def plot(self, title: str = "Cumulative time, compile included"):
+        from utils.plot import curves
+
+        return curves(self.curves(), xlabel=_plural(self.unit), ylabel="cumulative time, compile included (s)",
+                      logx=True, logy=True, markers=False, legend_outside=True, title=title)
+
+
+def payoff(comparison, compiled: Mapping[str, Compiled], *, unit: str = "step") -> Payoff:
+    """The compile cost and break-even of every compiled variant, from ``comparison`` (a
+    :class:`utils.bench.Comparison` whose baseline is eager and which timed every variant of ``compiled``).
+
+    Raises:
+        KeyError: for a compiled variant the comparison did not time.
+    """
+    missing = [label for label in compiled if label not in comparison.variants]
+    if missing:
+        raise KeyError(f"payoff(): the comparison did not time {missing}")
+    return Payoff(comparison, dict(compiled), unit)
+
+
+# ── Checks against eager ───────────────────────────────────────────────────────────────────────────────────────
+
+Result = torch.Tensor | Mapping[str, torch.Tensor]
+
+
+def _finite(x: Result) -> bool:
+    values = x.values() if isinstance(x, Mapping) else [x]
+    return all(bool(torch.isfinite(t).all()) for t in values)
+
+
+def _error(a: Result, b: Result) -> float:
+    from utils.playbook import relative_error
+
+    if isinstance(b, Mapping):
+        return max(relative_error(a[k], b[k]) for k in b)
+    return relative_error(a, b)
+
+
+@dataclass(frozen=True)
+class Check:
+    """Rows of a check against eager, and what failed. ``compared`` counts the rows that compared something."""
+
+    title: str
+    rows: list[dict[str, object]]
+    failures: list[str]
+    compared: int
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures and self.compared > 0
+
+    def summary(self) -> str:
+        skipped = len(self.rows) - self.compared
+        if self.compared == 0:
+            return f"❌ {self.title}: every row was skipped, so nothing was compared"
+        if self.failures:
+            return f"❌ {self.title}: " + "; ".join(self.failures)
+        return (f"✅ {self.title}: {self.compared} of {len(self.rows)} quantities compared, all within their bound"
+                + (f" ({skipped} skipped: their reference is not finite)" if skipped else ""))
+
+    def __str__(self) -> str:
+        from utils.plot import format_table
+
+        return format_table(self.rows, title=self.title) + "\n" + self.summary()
+
+
+def check_outputs(compiled: Mapping[str, Result], eager: Mapping[str, Result],
+                  fp32: Mapping[str, Result] | None = None, *, tolerance: float | Mapping[str, float] = 1e-5,
+                  slack: float = 1.5, floor: float = 1e-3, title: str = "compiled against eager",
+                  strict: bool = True) -> Check:
+    """Compare named results of a compiled run with eager's, print the table and the outcome, and return the
+    :class:`Check`.
+
+    Without ``fp32`` (a full-precision run): each relative error must be within ``tolerance`` (a number, or one per
+    name). With ``fp32`` (eager and compiled ran under 16-bit autocast, ``fp32`` is the same model in full
+    precision): the compiled result may lie at most ``slack`` × as far from fp32 as eager does, plus ``floor``;
+    the compiled-against-eager error is shown beside it. A compiled result that is not finite fails its row; a
+    reference (eager or fp32) that is not finite skips it.
+
+    Raises:
+        AssertionError: when ``strict`` and a row failed or every row was skipped (nothing was compared).
+        KeyError: for a name missing from ``eager`` or ``fp32``.
+    """
+    rows, failures, compared = [], [], 0
+    for name, got in compiled.items():
+        ref, ref32 = eager[name], (fp32[name] if fp32 is not None else None)
+        limit = tolerance[name] if isinstance(tolerance, Mapping) else tolerance
+        columns = ["compiled vs eager"] + (["bound"] if ref32 is None else ["compiled vs fp32", "eager vs fp32",
+                                                                           f"bound ({slack:g}× eager's + {floor:g})"])
+        row: dict[str, object] = {"quantity": name} | dict.fromkeys(columns, "—")
+        if not _finite(ref) or (ref32 is not None and not _finite(ref32)):
+            rows.append(row | {"within": "skipped: reference not finite"})
+            continue
+        compared += 1
+        if not _finite(got):
+            rows.append(row | {"within": "❌ not finite"})
+            failures.append(f"{name}: the compiled result is not finite")
+            continue
+        vs_eager = _error(got, ref)
+        if ref32 is None:
+            ok = vs_eager <= limit
+            values = [f"{vs_eager:.1e}", f"{limit:.0e}"]
+        else:
+            vs32, eager32 = _error(got, ref32), _error(ref, ref32)
+            bound = slack * eager32 + floor
+            ok = vs32 <= bound
+            values = [f"{vs_eager:.1e}", f"{vs32:.1e}", f"{eager32:.1e}", f"{bound:.1e}"]
+        row |= dict(zip(columns, values, strict=True)) | {"within": "✅" if ok else "❌"}
+        if not ok:
+            failures.append(f"{name} differs beyond its bound")
+        rows.append(row)
+    check = Check(title, rows, failures, compared)
+    print(check)
+    if strict and not check.passed:
+        raise AssertionError(check.summary())
+    return check
+
+
+def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every gradient by parameter name, without the ``_orig_mod.`` that compiled submodules add to the names."""
+    return {n.replace("_orig_mod.", ""): p.grad.detach().clone() for n, p in model.named_parameters()
+            if p.grad is not None}
+
+
+Fresh = Callable[[], tuple[torch.nn.Module, torch.optim.Optimizer]]
+
+
+def check_training_step(make: Callable[[torch.nn.Module, torch.optim.Optimizer], Callable[[], torch.Tensor]],
+                        fresh: Fresh, inputs: torch.Tensor, targets: torch.Tensor, *,
+                        amp_dtype: torch.dtype | None, max_norm: float = 1.0, max_calls: int = 8,
+                        title: str = "the compiled step", strict: bool = True,
+                        optimizer_step: Callable[[torch.nn.Module, torch.optim.Optimizer], Callable[[], object]]
+                        | None = None) -> Check:
+    """One training step built by ``make(model, optimizer)`` (the compiled one) against
+    ``utils.train.train_step`` (eager, the same autocast and clipping) and, under autocast, against it in fp32:
+    the loss and every clipped gradient, by :func:`check_outputs`. ``fresh()`` returns a new copy of the model's
+    initial weights and its optimizer; each side gets its own.
+
+    Use a model without dropout (compiled and eager dropout draw different random numbers). With fp16 the eager
+    side uses a ``GradScaler`` as the compiled one should; each side steps until its gradients are finite (a
+    scaler skips an overflowing step without touching the weights), at most ``max_calls`` times.
+
+    ``optimizer_step``: the step's compiled clipping and optimizer update, ``optimizer_step(model, optimizer)``,
+    checked afterwards by :func:`check_optimizer_step` (returned: the training step's check).
+    """
+    from utils.train import train_step
+
+    def run(step: Callable[[], torch.Tensor], m: torch.nn.Module) -> dict[str, Result]:
+        for _ in range(max_calls):
+            loss = step()
+            grads = _grads(m)
+            if grads and _finite(grads):
+                break
+        return {"loss": loss.detach().float().clone(), "clipped gradients": grads}
+
+    m, opt = fresh()
+    compiled = run(make(m, opt), m)
+    del m, opt
+    results = {}
+    for label, dtype in (("eager", amp_dtype), ("fp32", None))[:2 if amp_dtype is not None else 1]:
+        m, opt = fresh()
+        scaler = torch.amp.GradScaler(inputs.device.type) if dtype == torch.float16 else None
+        results[label] = run(partial(train_step, m, opt, inputs, targets, amp_dtype=dtype, scaler=scaler,
+                                     max_grad_norm=max_norm), m)
+        del m, opt
+    precision = f"{str(amp_dtype).removeprefix('torch.')} autocast, bounds against fp32" if amp_dtype else "fp32"
+    check = check_outputs(compiled, results["eager"], results.get("fp32"), tolerance=1e-5, strict=strict,
+                          title=f"{title} against eager ({precision})")
+    del compiled, results
+    if optimizer_step is not None:
+        check_optimizer_step(optimizer_step, fresh, max_norm=max_norm, strict=strict,
+                             title=f"{title}: its compiled clipping and optimizer step")
+    return check
+
+
+def check_optimizer_step(make: Callable[[torch.nn.Module, torch.optim.Optimizer], Callable[[], object]],
+                         fresh: Fresh, *, max_norm: float = 1.0, seed: int = 0,
+                         title: str = "the compiled clipping and AdamW step", strict: bool = True) -> Check:
+    """The compiled clipping and optimizer step, ``make(model, optimizer)()``, against eager (``clip_grad_norm_``,
+    then ``optimizer.step()``), each on a copy from ``fresh()`` with the same gradients: random, scaled to
+    4 × ``max_norm``, so that clipping must scale them by 1/4. Compares the clipped gradients and the optimizer's
+    moments (``exp_avg``, ``exp_avg_sq``: within 1e-5) and the weight update (within 1e-2: an update is a small
+    difference of two much larger fp32 weights, which rounding blurs). The title says how many graphs Dynamo
+    captured for the compiled step and the norm after its clipping.
+
+    Raises:
+        AssertionError: if the compiled step captured no graph (the check would compare eager with eager), or
+            (when ``strict``) a quantity differs beyond its bound.
+    """
+    sides, captured, grads = {}, 0, None
+    for side in ("compiled", "eager"):
+        m, opt = fresh()
+        params = list(m.parameters())
+        if grads is None:
+            gen = torch.Generator().manual_seed(seed)
+            grads = [torch.randn(p.shape, generator=gen).to(p.device, p.dtype) for p in params]
+            norm = torch.linalg.vector_norm(torch.stack([g.float().norm() for g in grads]))
+            grads = [g * (4 * max_norm / norm).to(g.device, g.dtype) for g in grads]
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g.clone()
+        before = [p.detach().clone() for p in params]
+        if side == "compiled":
+            start = _dynamo_graphs()
+            make(m, opt)()
+            captured = _dynamo_graphs() - start
+            if captured == 0:
+                raise AssertionError(f"{title}: no graph was compiled, so this would compare eager with eager")
+        else:
+            torch.nn.utils.clip_grad_norm_(params, max_norm)
+            opt.step()
+        names = [n.replace("_orig_mod.", "") for n, _ in m.named_parameters()]
+        sides[side] = {"clipped gradients": {n: p.grad.detach().clone() for n, p in zip(names, params, strict=True)},
+                       **{k: {n: opt.state[p][k] for n, p in zip(names, params, strict=True)}
+                          for k in ("exp_avg", "exp_avg_sq")},
+                       "weight update": {n: p.detach() - w for n, p, w in zip(names, params, before, strict=True)}}
+        del m, opt
+    clipped = torch.linalg.vector_norm(torch.stack([g.float().norm() for g in
+                                                    sides["compiled"]["clipped gradients"].values()])).item()
+    return check_outputs(sides["compiled"], sides["eager"], strict=strict,
+                         tolerance={"clipped gradients": 1e-5, "exp_avg": 1e-5, "exp_avg_sq": 1e-5,
+                                    "weight update": 1e-2},
+                         title=f"{title} against eager ({captured} graph{'s' * (captured != 1)} captured by Dynamo; "
+                               f"gradient norm {4 * max_norm:g} clipped to {clipped:.4f})")
