@@ -140,13 +140,16 @@ def test_step_rows_and_records():
                                                                                   "saved_bytes": 2**30}}
     rows = amp.step_rows(steps, tokens=8192, peaks={"fp32": 50.0, "bf16": 700.0}, memory=memory)
     assert rows[0]["% of sustained peak"] == "33%" and rows[0]["peak memory"] == "7.00 GiB"
-    assert rows[1]["peak memory"] == "—" and rows[1]["tokens/s"] == f"{8192 / 0.0200:,.0f}"
+    bf16_s = 0.060 / steps.speedup("bf16")  # the baseline's median over the paired speed-up: one number per variant
+    assert steps.time_s("bf16") == pytest.approx(bf16_s)
+    assert rows[1]["peak memory"] == "—" and rows[1]["tokens/s"] == f"{8192 / bf16_s:,.0f}"
     results.RECORDED.clear()
     amp.record_steps(steps, {"fp32": "fp32", "bf16": "bf16", "tf32": "tf32"}, memory)
-    assert set(results.RECORDED) == {"step_ms_fp32", "step_ms_bf16", "peak_mem_mb_fp32"}  # tf32 was not timed
+    assert set(results.RECORDED) == {"step_ms_fp32", "step_ms_bf16", "peak_mem_gib_fp32"}  # tf32 was not timed
     fp32 = results.RECORDED["step_ms_fp32"]
     assert fp32.unit == "ms" and fp32.value == pytest.approx(60.0) and fp32.band[0] <= 60.0 <= fp32.band[1]
-    assert results.RECORDED["peak_mem_mb_fp32"].value == pytest.approx(7 * 2**30 / 1e6)
+    assert results.RECORDED["peak_mem_gib_fp32"].value == pytest.approx(7.0)
+    assert results.RECORDED["peak_mem_gib_fp32"].unit == "GiB"
 
 
 @pytest.mark.parametrize("rounds,outcome", [

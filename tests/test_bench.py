@@ -482,3 +482,22 @@ def test_burst_vs_sustained_label():
 def test_burst_vs_sustained_needs_enough_clock_readings():
     text = bench.burst_vs_sustained(_rate(787.5, mhz=1980, samples=3), _rate(670.8, mhz=1695, reasons=0x4))
     assert "3 clock readings, too few to tell" in text and "The clock accounts for the drop" not in text
+
+
+def test_a_table_orders_variants_as_their_speed_ups_do():
+    """One number per variant: the per-call column is the baseline's median over the paired speed-up, so two close
+    variants whose own medians order one way and whose speed-ups order the other are shown as the speed-ups say."""
+    from utils.bench import Comparison, format_seconds
+
+    rounds = {"seed": [0.300, 0.310, 0.290, 0.305, 0.300, 0.320],
+              "a": [0.141, 0.150, 0.130, 0.141, 0.141, 0.150],
+              "b": [0.143, 0.140, 0.132, 0.150, 0.139, 0.143]}
+    c = Comparison.from_rounds(rounds)
+    own = {n: sorted(t)[2:4] for n, t in rounds.items()}
+    assert sum(own["a"]) / 2 < sum(own["b"]) / 2  # by their own medians a is faster ...
+    assert c.speedup("b") > c.speedup("a")  # ... by the paired ratios b is
+    for name in ("a", "b"):
+        assert c.time_s(name) == pytest.approx(c.time_s("seed") / c.speedup(name))
+    assert c.fastest == "b" and c.time_s("b") < c.time_s("a")
+    rows = {r["variant"]: r for r in c.rows()}
+    assert rows["b"]["per call"] == format_seconds(c.time_s("b"))

@@ -35,6 +35,11 @@ def test_op_counter_sees_the_matmuls_linear_decomposes_into():
     assert names <= {"aten.addmm.default", "aten.mm.default"} and "aten.addmm.default" in names
     assert checkpointing.is_matmul(ATEN.mm.default) and checkpointing.is_matmul(ATEN.addmm)
     assert not checkpointing.is_matmul(ATEN.relu)
+    assert checkpointing.is_attention(ATEN._scaled_dot_product_efficient_attention.default)
+    assert checkpointing.is_attention(ATEN._scaled_dot_product_flash_attention_for_cpu)
+    assert not checkpointing.is_attention(ATEN.mm.default) and not checkpointing.is_matmul(
+        ATEN._scaled_dot_product_flash_attention.default)
+    assert all(hasattr(ATEN, name) for name in checkpointing.ATTENTION_OPS)  # the names exist in this PyTorch
     assert sum(ops.compute_ops().values()) < sum(ops.counts.values())  # views are left out
 
 
@@ -154,6 +159,7 @@ def test_count_recomputation_and_check_policies_catch_the_slip():
     assert [r["policy"] for r in rows.values()] == list(policies)
     assert rows["full"]["matmuls recomputed"] == rows["packets"]["matmuls recomputed"] == 8
     assert rows["overloads"]["matmuls recomputed"] == 0 and rows["packets"]["named but never matched"] != "—"
+    assert rows["full"]["attention recomputed"] == rows["overloads"]["attention recomputed"] > 0  # SDPA: not kept
     text = checkpointing.check_policies(rows, full="full", selective="overloads", slip="packets")
     assert "no matmul recomputed, against 8" in text and "matches nothing" in text
     with pytest.raises(AssertionError, match="recomputed 8 matmuls it should keep"):

@@ -127,7 +127,7 @@ def _payoff():
 
 def test_payoff_takes_the_step_from_the_comparison_and_counts_break_even():
     p = _payoff()
-    assert p.step_s("fast") == pytest.approx(0.005)
+    assert p.step_s("fast") == pytest.approx(0.005) == pytest.approx(p.comparison.time_s("fast"))
     assert p.cost_s("fast") == pytest.approx(10.01 - 3 * 0.005)  # the first calls less three steps
     assert p.steps("fast") == math.ceil(p.cost_s("fast") / 0.005)
     assert p.steps("slow") is None
@@ -203,9 +203,11 @@ def test_check_training_step_accepts_a_compiled_step_and_catches_one_without_cli
     assert check.passed and check.compared == 2
 
     def unclipped(m, opt):
+        cm = torch.compile(m, backend="eager")
+
         def step():
             opt.zero_grad()
-            loss = lm_loss(m(inputs), targets)
+            loss = lm_loss(cm(inputs), targets)
             loss.backward()
             opt.step()
             return loss.detach()
@@ -213,6 +215,18 @@ def test_check_training_step_accepts_a_compiled_step_and_catches_one_without_cli
 
     with pytest.raises(AssertionError, match="clipped gradients differs"):
         uc.check_training_step(unclipped, fresh, inputs, targets, amp_dtype=None, max_norm=0.1)
+
+    def not_compiled(m, opt):
+        return lambda: train_step(m, opt, inputs, targets, max_grad_norm=0.1)
+
+    with pytest.raises(AssertionError, match="eager with eager"):
+        uc.check_training_step(not_compiled, fresh, inputs, targets, amp_dtype=None, max_norm=0.1)
+    def compiled_once(m, opt):  # Dynamo reuses the graph captured above: the compiled module is what it finds
+        cm = torch.compile(m, backend="eager")
+        return lambda: train_step(cm, opt, inputs, targets, max_grad_norm=0.1)
+
+    check = uc.check_training_step(compiled_once, fresh, inputs, targets, amp_dtype=None, max_norm=0.1, calls=3)
+    assert check.passed and "after 3 steps" in check.title
 
 
 def _clip_and_step(clip=True):
@@ -244,8 +258,8 @@ def test_check_training_step_runs_the_optimizer_check_when_asked(capsys):
     inputs, targets = _tokens()
 
     def compiled_step(m, opt):
-        return lambda: __import__("utils.train", fromlist=["train_step"]).train_step(
-            torch.compile(m, backend="eager"), opt, inputs, targets)
+        cm = torch.compile(m, backend="eager")
+        return lambda: __import__("utils.train", fromlist=["train_step"]).train_step(cm, opt, inputs, targets)
 
     uc.check_training_step(compiled_step, _fresh_factory(), inputs, targets, amp_dtype=None,
                            optimizer_step=_clip_and_step())
@@ -254,3 +268,39 @@ def test_check_training_step_runs_the_optimizer_check_when_asked(capsys):
 
 def test_payoff_names_its_unit_in_the_plural():
     assert uc._plural("step") == "steps" and uc._plural("forward pass") == "forward passes"
+
+
+def test_payoff_says_unresolved_for_an_inconclusive_or_same_verdict_and_leaves_it_out_of_the_plot(capsys):
+    noisy = [0.010, 0.006, 0.012, 0.007, 0.011, 0.006, 0.012, 0.008]
+    rounds = {"eager": [0.010] * 8, "noisy": noisy, "same": [0.0100001] * 8, "slow": [0.012] * 8}
+    compiled = {name: uc.Compiled(name, lambda: None, (3.0, 0.01, 0.01), GraphCounts(1, 0), 1)
+                for name in ("noisy", "same", "slow")}
+    p = uc.payoff(Comparison.from_rounds(rounds), compiled)
+    assert p.outcome("noisy") == "inconclusive" and p.outcome("same") == "same"
+    rows = {r["variant"]: r["pays off after"] for r in p.rows()}
+    assert rows == {"noisy": "unresolved", "same": "unresolved", "slow": "never"}
+    assert "break-even unresolved" in p.summary("noisy") and "never" not in p.summary("noisy")
+    assert "never paid off" in p.summary("slow")
+    assert set(p.curves()) == {"eager", "slow"}
+
+
+def test_quiet_autotuning_reads_the_winner_of_every_shape():
+    report = ("AUTOTUNE addmm(8192x4096, 8192x1024, 1024x4096)\nstrides: [1, 1]\ndtypes: torch.bfloat16\n"
+              "  bias_addmm 0.1600 ms 100.0% \n  triton_mm_3 0.1700 ms 94.1% BLOCK_M=128\n"
+              "SingleProcess AUTOTUNE benchmarking takes 1.0 seconds\n"
+              "AUTOTUNE mm(64x64, 64x64)\nstrides: [1]\ndtypes: torch.float32\n  triton_mm_1 0.01 ms 100.0% x\n")
+    assert uc._winners(report) == ["bias_addmm", "triton_mm_1"]
+    tuned = uc.Autotuned(uc._winners(report))
+    assert tuned.shapes == 2 and tuned.backend == "cuBLAS (ATen) and a Triton template"
+    assert uc.Autotuned([]).backend == "not reported"
+    with uc.quiet_autotuning() as got:
+        import sys
+        sys.stderr.write(report)
+    assert got.chosen == ["bias_addmm", "triton_mm_1"]
+
+
+def test_check_outputs_gives_the_unit_and_names_a_bound_set_by_its_floor(capsys):
+    a = torch.ones(4)
+    uc.check_outputs({"x": a}, {"x": a}, {"x": a * (1 + 1e-6)})
+    out = capsys.readouterr().out
+    assert "‖a − b‖ / ‖b‖" in out and "bound of x is mostly its 0.001 floor" in out

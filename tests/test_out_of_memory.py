@@ -149,6 +149,13 @@ def test_step_outcome_report_says_what_was_released_and_checks_it():
     assert text.startswith("out of memory, caught: CUDA out of memory") and "while handling the error 4.88 KiB" in text
     with pytest.raises(AssertionError, match="meant not to fit"):
         out_of_memory.StepOutcome(ok=True, device="cuda:0").report()
+    real = ("CUDA out of memory. Tried to allocate 16.21 GiB. GPU 0 has a total capacity of 139.80 GiB of which "
+            "124.92 GiB is free. Including non-PyTorch memory, this process has 1.2 GiB memory in use.")
+    capped = out_of_memory.StepOutcome(ok=False, error=real, before_bytes=100, held_bytes=5000, after_bytes=100,
+                                       device="cuda:0").report(cap_bytes=16 * 2**30)
+    first_line = capped.splitlines()[0]
+    assert first_line.endswith("124.92 GiB is free. The 16.00 GiB cap on this process's allocator refused it, not "
+                               "the GPU."), first_line
     kept = out_of_memory.StepOutcome(ok=False, error="x", before_bytes=0, held_bytes=0, after_bytes=2 * MiB,
                                      device="cuda:0")
     with pytest.raises(AssertionError, match="releasing left 2.00 MiB"):

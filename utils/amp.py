@@ -372,8 +372,10 @@ def step_rows(steps: Comparison, *, tokens: int, peaks: Mapping[str, float],
 
 def record_steps(steps: Comparison, names: Mapping[str, str],
                  memory: Mapping[str, Mapping[str, int | None]] | None = None) -> None:
-    """Record ``step_ms_<name>`` (median ms, with the quartiles as the band) for each variant in ``names``
-    (variant → name) that the comparison timed, and ``peak_mem_mb_<name>`` where ``memory`` has its peak bytes."""
+    """Record ``step_ms_<name>`` (the comparison's time per call, :meth:`Comparison.time_s`, with the quartiles as
+    the band) for each variant in ``names``
+    (variant → name) that the comparison timed, and ``peak_mem_gib_<name>`` (GiB, as the tables print memory) where
+    ``memory`` has its peak bytes."""
     from utils import results
 
     for variant, name in names.items():
@@ -381,10 +383,10 @@ def record_steps(steps: Comparison, names: Mapping[str, str],
             continue
         timing = steps.timings[variant]
         q1, q3 = timing.quartiles_s
-        results.record(f"step_ms_{name}", timing.median_s * 1e3, "ms", band=(q1 * 1e3, q3 * 1e3))
+        results.record(f"step_ms_{name}", steps.time_s(variant) * 1e3, "ms", band=(q1 * 1e3, q3 * 1e3))
         peak = (memory or {}).get(variant, {}).get("peak_bytes")
         if peak:
-            results.record(f"peak_mem_mb_{name}", peak / 1e6, "MB")
+            results.record(f"peak_mem_gib_{name}", peak / 2**30, "GiB")
 
 
 def scaler_cost(verdict: Verdict, without, scaled, *, syncs: tuple[int, int]) -> str:

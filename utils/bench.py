@@ -529,8 +529,14 @@ class Comparison:
         return self.verdict(variant, against).speedup
 
     def time_s(self, variant: str | None = None) -> float:
-        """The median per-call seconds of ``variant``."""
-        return self._timing(self._default(variant) if variant is None else variant).median_s
+        """The per-call seconds of ``variant``: the baseline's median, and for every other variant the baseline's
+        median divided by the variant's speed-up (the median of the per-round ratios). So a table, a rate, a
+        recorded time and a verdict all rest on one number per variant, and two close variants are never ordered
+        one way by their times and the other way by their speed-ups. (A variant's own median can differ from it by
+        the drift the alternating rounds cancel; its band is still its own quartiles.)"""
+        variant = self._default(variant)
+        base = self._timing(self.baseline).median_s
+        return base if variant == self.baseline else base / self.speedup(variant)
 
     def rate(self, variant: str | None = None) -> float:
         """Work per second of ``variant`` at its median time (GB/s, TFLOP/s or items/s).
@@ -541,12 +547,12 @@ class Comparison:
         if self.work is None:
             raise ValueError("this comparison has no rate: pass bytes_moved=, flops= or items= to compare()")
         variant = self._default(variant) if variant is None else variant
-        return self.work.rate(variant, self._timing(variant).median_s)
+        return self.work.rate(variant, self.time_s(variant))
 
     @property
     def fastest(self) -> str:
-        """The variant with the shortest median time."""
-        return min(self.timings, key=lambda name: self.timings[name].median_s)
+        """The variant with the shortest time per call (:meth:`time_s`: the largest speed-up)."""
+        return min(self.timings, key=self.time_s)
 
     def _timing(self, variant: str) -> Timing:
         if variant not in self.timings:
@@ -567,7 +573,7 @@ class Comparison:
         rows = []
         for name, t in self.timings.items():
             q1, q3 = t.quartiles_s
-            row: dict[str, object] = {"variant": name, "per call": format_seconds(t.median_s),
+            row: dict[str, object] = {"variant": name, "per call": format_seconds(self.time_s(name)),
                                       "band": f"{format_seconds(q1)}–{format_seconds(q3)}"}
             if self.work is not None:
                 rate = self.rate(name)
@@ -591,7 +597,8 @@ class Comparison:
     def _title(self) -> str:
         head = f"{self.title}: " if self.title else ""
         return (f"{head}{len(self.timings)} variants timed in {self.rounds} alternating rounds "
-                f"(speed-up: median of the per-round ratios; verdicts resolve ±{self.resolution:.0%})")
+                f"(speed-up: median of the per-round ratios; per call: the baseline's ÷ speed-up; verdicts "
+                f"resolve ±{self.resolution:.0%})")
 
     def plot(self, *, title: str | None = None, log: bool | None = None):
         """Horizontal bars of the median time per call (or the rate, when work was given), each with its band;
@@ -605,7 +612,7 @@ class Comparison:
             bands = [tuple(self.work.rate(n, s) for s in reversed(self.timings[n].quartiles_s)) for n in names]
             label = self.work.rate_unit
         else:
-            values = [self.timings[n].median_s * 1e3 for n in names]
+            values = [self.time_s(n) * 1e3 for n in names]
             bands = [tuple(s * 1e3 for s in self.timings[n].quartiles_s) for n in names]
             label = "time per call (ms), median and band"
         errors = [(max(v - lo, 0.0), max(hi - v, 0.0)) for v, (lo, hi) in zip(values, bands, strict=True)]
@@ -646,8 +653,8 @@ class Comparison:
                 t = self.timings[variant]
                 floor = None
                 if self.limit is not None and self.work is not None:
-                    floor = t.median_s * self.rate(variant) / self.limit  # the work at the limit's rate
-                results.record(name, t.median_s, "s", band=t.quartiles_s, limit=floor,
+                    floor = self.time_s(variant) * self.rate(variant) / self.limit  # the work at the limit's rate
+                results.record(name, self.time_s(variant), "s", band=t.quartiles_s, limit=floor,
                                limit_name=self.limit_name if floor is not None else None)
             elif quantity == "speedup":
                 v = self.verdict(variant)
@@ -785,7 +792,7 @@ class Sweep:
     def rates(self, variant: str) -> list[float]:
         """The variant's rate at every size (its time per call, in seconds, when no work was given)."""
         if self.comparisons[0].work is None:
-            return [c.timings[variant].median_s for c in self.comparisons]
+            return [c.time_s(variant) for c in self.comparisons]
         return [c.rate(variant) for c in self.comparisons]
 
     def rows(self) -> list[dict[str, object]]:
@@ -793,7 +800,7 @@ class Sweep:
         for size, c in zip(self.sizes, self.comparisons, strict=True):
             row: dict[str, object] = {self.size_label: self.format_size(size)}
             for v in self.variants:
-                row[f"{v} ({self.unit})"] = _number(c.rate(v) if c.work else c.timings[v].median_s)
+                row[f"{v} ({self.unit})"] = _number(c.rate(v) if c.work else c.time_s(v))
             for v in self.variants[1:] if len(self.variants) == 2 else []:
                 row["verdict"] = c.verdict(v).short
             rows.append(row)

@@ -20,6 +20,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 #: ATen matrix multiplies: the ops a "keep the matmuls" selective-checkpointing policy names.
 MATMUL_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "_scaled_mm"})
 
+#: ATen fused attention (``F.scaled_dot_product_attention``'s kernels, two matmuls and a softmax each). They are
+#: not in :data:`MATMUL_OPS`, so a "keep the matmuls" policy recomputes attention in backward; add their overloads
+#: (from :meth:`OpCounter.attention`) to ``save`` to keep it too, as LLM training code usually does.
+ATTENTION_OPS = frozenset({"_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+                           "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+                           "_scaled_dot_product_fused_attention_overrideable"})
+
 
 def op_name(op: Any) -> str:
     """'aten.addmm.default' for an OpOverload, 'aten.addmm' for an OpOverloadPacket, else str()."""
@@ -37,6 +44,12 @@ def is_matmul(op: Any) -> bool:
     """True for an ATen matrix multiply (an overload of one of :data:`MATMUL_OPS`)."""
     packet = getattr(op, "overloadpacket", op)
     return getattr(packet, "__name__", "").split(".")[-1] in MATMUL_OPS
+
+
+def is_attention(op: Any) -> bool:
+    """True for an ATen fused attention kernel (an overload of one of :data:`ATTENTION_OPS`)."""
+    packet = getattr(op, "overloadpacket", op)
+    return getattr(packet, "__name__", "").split(".")[-1] in ATTENTION_OPS
 
 
 class OpCounter(TorchDispatchMode):
@@ -60,6 +73,10 @@ class OpCounter(TorchDispatchMode):
 
     def matmuls(self) -> dict[Any, int]:
         return {op: n for op, n in self.counts.items() if is_matmul(op)}
+
+    def attention(self) -> dict[Any, int]:
+        """The fused attention kernels that ran (:data:`ATTENTION_OPS`), by overload."""
+        return {op: n for op, n in self.counts.items() if is_attention(op)}
 
     def compute_ops(self) -> Counter:
         """The counts without view and aliasing operators (views, detach, ...), which move no data."""
@@ -164,6 +181,9 @@ class ActivationCheckpointing:
     def recomputed_matmuls(self) -> int:
         return sum(n for op, n in self.recomputed.items() if is_matmul(op))
 
+    def recomputed_attention(self) -> int:
+        return sum(n for op, n in self.recomputed.items() if is_attention(op))
+
     def recomputed_compute_ops(self) -> int:
         """Recomputed operators other than views (which move no data)."""
         return sum(n for op, n in self.recomputed.items() if not _is_view(op))
@@ -179,8 +199,8 @@ def count_recomputation(modules: Iterable[torch.nn.Module], run: Any,
                         policies: dict[str, Iterable[Any] | None]) -> dict[str, dict[str, object]]:
     """For each policy (name → the ``save`` of :class:`ActivationCheckpointing`: None for full checkpointing, or
     the operators to keep), run ``run()`` — a forward and backward pass — with ``modules`` checkpointed under it,
-    and count what backward recomputed. Returns name → a table row: the matmuls and the operators recomputed
-    (views left out), and the names the policy gave that matched no operator."""
+    and count what backward recomputed. Returns name → a table row: the matmuls, the fused attention kernels and
+    the operators recomputed (views left out), and the names the policy gave that matched no operator."""
     modules = list(modules)
     rows: dict[str, dict[str, object]] = {}
     for name, save in policies.items():
@@ -188,6 +208,7 @@ def count_recomputation(modules: Iterable[torch.nn.Module], run: Any,
         with ac:
             run()
         rows[name] = {"policy": name, "matmuls recomputed": ac.recomputed_matmuls(),
+                      "attention recomputed": ac.recomputed_attention(),
                       "operators recomputed": ac.recomputed_compute_ops(),
                       "named but never matched": ", ".join(ac.unmatched()) or "—"}
     return rows

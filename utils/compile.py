@@ -23,9 +23,10 @@ passed to :func:`compile_cold` runs inside the same block, after the timing: whe
 loads them from that block's cache instead of compiling them again.
 
 **Break-even.** After *n* steps eager has cost ``n · t_eager`` and a compiled variant ``cost + n · t_compiled``, so
-compiling pays off after ``ceil(cost / (t_eager − t_compiled))`` steps. :class:`Payoff` takes ``t_compiled`` from
-the comparison's one number (``t_eager / speed-up``), so the table, the verdicts and the break-even agree. A
-variant that is not resolved faster never pays off.
+compiling pays off after ``ceil(cost / (t_eager − t_compiled))`` steps. :class:`Payoff` takes both times from the
+comparison (``Comparison.time_s``: eager's median, and for a variant the same number its verdict uses), so the
+table, the verdicts and the break-even agree. A variant resolved slower never pays off; one whose verdict is "same"
+or inconclusive has an *unresolved* break-even: it is printed so, and left out of the break-even plot.
 
 **Checks.** :func:`check_outputs` compares named results (tensors, or dicts of tensors counted by their worst
 entry) by relative error ‖a − b‖ / ‖b‖. In full precision the compiled result must lie within ``tolerance`` of
@@ -201,11 +202,55 @@ def captured_logs(**artifacts: bool) -> Iterator[list[str]]:
             logger.handlers, logger.propagate = handlers, propagate
 
 
+_ATEN_MATMULS = {"mm", "addmm", "bias_addmm", "bmm", "baddbmm"}
+
+
+@dataclass
+class Autotuned:
+    """What max-autotune's report said: per benchmarked matmul shape, the candidate that won (the report lists the
+    fastest first). Filled when :func:`quiet_autotuning` exits."""
+
+    chosen: list[str]
+
+    @property
+    def shapes(self) -> int:
+        return len(self.chosen)
+
+    @staticmethod
+    def kind(name: str) -> str:
+        """'cuBLAS (ATen)', 'a Triton template' or the candidate's own name."""
+        if name in _ATEN_MATMULS or name.startswith("aten"):
+            return "cuBLAS (ATen)"
+        if name.startswith("triton"):
+            return "a Triton template"
+        return name
+
+    @property
+    def backend(self) -> str:
+        """The kind of kernel autotuning chose, e.g. 'cuBLAS (ATen)' or 'a Triton template' (both, 'and'-joined,
+        when shapes differ), or 'not reported'."""
+        kinds = list(dict.fromkeys(self.kind(name) for name in self.chosen))
+        return " and ".join(kinds) if kinds else "not reported"
+
+
+def _winners(report: str) -> list[str]:
+    """The first candidate listed after every 'AUTOTUNE op(sizes)' header of an autotuning report."""
+    chosen, waiting = [], False
+    for line in report.splitlines():
+        if line.startswith("AUTOTUNE "):
+            waiting = True
+        elif waiting and line.startswith("  ") and line.strip():
+            chosen.append(line.split()[0])
+            waiting = False
+    return chosen
+
+
 @contextlib.contextmanager
-def quiet_autotuning() -> Iterator[list[int]]:
+def quiet_autotuning() -> Iterator[Autotuned]:
     """Keep max-autotune's reports (a table of candidate timings per matmul shape, on stderr) and its warnings out of
-    the notebook. Yields a list that receives, on leaving, the number of matmul shapes it benchmarked."""
-    captured, logger, tuned = io.StringIO(), logging.getLogger("torch._inductor"), []
+    the notebook. Yields an :class:`Autotuned` that receives, on leaving, the winning candidate of every matmul shape
+    it benchmarked (``.shapes``, ``.backend``)."""
+    captured, logger, tuned = io.StringIO(), logging.getLogger("torch._inductor"), Autotuned([])
     level = logger.level
     logger.setLevel(logging.CRITICAL)
     try:
@@ -214,7 +259,7 @@ def quiet_autotuning() -> Iterator[list[int]]:
             yield tuned
     finally:
         logger.setLevel(level)
-        tuned.append(sum(line.startswith("AUTOTUNE ") for line in captured.getvalue().splitlines()))
+        tuned.chosen.extend(_winners(captured.getvalue()))
 
 
 # ── Compiling variants cold, and what their first calls cost ───────────────────────────────────────────────────
@@ -333,30 +378,50 @@ class Payoff:
         return self.comparison.time_s(self.comparison.baseline)
 
     def step_s(self, label: str) -> float:
-        """The variant's step time as the comparison's one number gives it: eager's time over the speed-up."""
-        return self.eager_s / self.comparison.speedup(label)
+        """The variant's step time as the comparison gives it (``Comparison.time_s``): the number its table and its
+        verdict use."""
+        return self.comparison.time_s(label)
 
     def cost_s(self, label: str) -> float:
         """What compiling added: the first calls less as many steady-state steps (never below 0)."""
         c = self.compiled[label]
         return max(c.first_s - len(c.call_s) * self.step_s(label), 0.0)
 
+    def outcome(self, label: str) -> str:
+        """The variant's verdict against eager: "faster", "slower", "same" or "inconclusive"."""
+        return self.comparison.verdict(label).outcome
+
+    def resolved(self, label: str) -> bool:
+        """Whether the break-even is resolved: the variant is resolved faster (it pays off) or slower (it never
+        does). A "same" or inconclusive verdict leaves it unresolved."""
+        return self.outcome(label) in ("faster", "slower")
+
     def steps(self, label: str) -> int | None:
         """Steps after which compiling has paid for itself; None when the variant is not resolved faster."""
-        if self.comparison.verdict(label).outcome != "faster":
+        if self.outcome(label) != "faster":
             return None
         return max(1, math.ceil(self.cost_s(label) / (self.eager_s - self.step_s(label))))
 
+    def pays_off(self, label: str) -> str:
+        """'1,512 steps', 'never' (resolved slower) or 'unresolved' (the verdict is "same" or inconclusive)."""
+        n = self.steps(label)
+        if n is not None:
+            return f"{n:,} {_plural(self.unit)}"
+        return "never" if self.outcome(label) == "slower" else "unresolved"
+
     def summary(self, label: str) -> str:
-        """'compile 21.3 s from cold caches, paid off after 1,512 steps (30 s of eager work)', or 'never paid off'."""
+        """'compile 21.3 s from cold caches, paid off after 1,512 steps (30 s of eager work)', 'never paid off' or
+        'break-even unresolved'."""
         n = self.steps(label)
         head = f"compile {self.cost_s(label):.1f} s from cold caches"
-        if n is None:
-            return f"{head}, never paid off here (not resolved faster than eager)"
-        return f"{head}, paid off after {n:,} {_plural(self.unit)} ({n * self.eager_s:,.1f} s of eager work)"
+        if n is not None:
+            return f"{head}, paid off after {n:,} {_plural(self.unit)} ({n * self.eager_s:,.1f} s of eager work)"
+        if self.outcome(label) == "slower":
+            return f"{head}, never paid off here (slower than eager)"
+        return f"{head}, break-even unresolved (not resolved faster or slower than eager)"
 
     def explain(self, label: str) -> str:
-        """The variant's line: its :meth:`summary`, and where it never pays off, its verdict against eager."""
+        """The variant's line: its :meth:`summary`, and where it does not pay off, its verdict against eager."""
         line = f"{label}: {self.summary(label)}"
         if self.steps(label) is None:
             line += f" — its {self.unit} against eager: {self.comparison.verdict(label).text}"
@@ -367,33 +432,40 @@ class Payoff:
 
         rows = []
         for label, c in self.compiled.items():
-            n = self.steps(label)
             rows.append({"variant": label, f"per {self.unit}": format_seconds(self.step_s(label)),
                          "speed-up": ratio_text(self.comparison.speedup(label)),
                          "first calls": " + ".join(f"{s:.1f}" for s in c.call_s) + " s",
                          "compile (s)": f"{self.cost_s(label):.1f}", "Inductor graphs": str(c.graphs),
-                         "pays off after": "never" if n is None else f"{n:,} {_plural(self.unit)}"})
+                         "pays off after": self.pays_off(label)})
         return rows
 
     def table(self, title: str | None = None) -> None:
         from utils.plot import format_table
 
         calls = sorted({len(c.call_s) for c in self.compiled.values()})
-        first = "first call less one" if calls == [1] else f"first {'/'.join(map(str, calls))} calls less as many"
-        print(format_table(self.rows(), title=f"{title or 'Compile cost and break-even'}; compile = the {first} "
-                                              f"{self.unit if calls == [1] else _plural(self.unit)}, from cold caches"))
+        counted = ("its first call less one " + self.unit if calls == [1] else
+                   f"its first {calls[0]} calls less as many {_plural(self.unit)}" if len(calls) == 1 else
+                   f"the first calls shown less as many {_plural(self.unit)}")
+        print(format_table(self.rows(), title=f"{title or 'Compile cost and break-even'}; compile = {counted} at "
+                                              "steady state, from cold caches"))
 
     def curves(self, max_steps: int = 2**20) -> dict[str, tuple[list[int], list[float]]]:
-        """Cumulative seconds after n steps (1 … max_steps, log-spaced): eager, and each variant with its cost."""
+        """Cumulative seconds after n steps (1 … max_steps, log-spaced): eager, and each variant whose break-even is
+        resolved (:meth:`resolved`), with its cost. An unresolved variant is left out: its line would cross eager's
+        at a break-even the measurement does not support."""
         xs = sorted({round(2 ** (i / 4)) for i in range(4 * int(math.log2(max_steps)) + 1)})
         out = {"eager": (xs, [n * self.eager_s for n in xs])}
         for label in self.compiled:
-            out[label] = (xs, [self.cost_s(label) + n * self.step_s(label) for n in xs])
+            if self.resolved(label):
+                out[label] = (xs, [self.cost_s(label) + n * self.step_s(label) for n in xs])
         return out
 
     def plot(self, title: str = "Cumulative time, compile included"):
         from utils.plot import curves
 
+        left_out = [label for label in self.compiled if not self.resolved(label)]
+        if left_out:
+            print(f"Not drawn (break-even unresolved): {', '.join(left_out)}")
         return curves(self.curves(), xlabel=_plural(self.unit), ylabel="cumulative time, compile included (s)",
                       logx=True, logy=True, markers=False, legend_outside=True, title=title)
 
@@ -437,6 +509,7 @@ class Check:
     rows: list[dict[str, object]]
     failures: list[str]
     compared: int
+    note: str = ""  # what the numbers are: printed under the table
 
     @property
     def passed(self) -> bool:
@@ -454,7 +527,8 @@ class Check:
     def __str__(self) -> str:
         from utils.plot import format_table
 
-        return format_table(self.rows, title=self.title) + "\n" + self.summary()
+        return format_table(self.rows, title=self.title) + "\n" + (f"{self.note}\n" if self.note else "") + \
+            self.summary()
 
 
 def check_outputs(compiled: Mapping[str, Result], eager: Mapping[str, Result],
@@ -474,7 +548,7 @@ def check_outputs(compiled: Mapping[str, Result], eager: Mapping[str, Result],
         AssertionError: when ``strict`` and a row failed or every row was skipped (nothing was compared).
         KeyError: for a name missing from ``eager`` or ``fp32``.
     """
-    rows, failures, compared = [], [], 0
+    rows, failures, compared, floored = [], [], 0, []
     for name, got in compiled.items():
         ref, ref32 = eager[name], (fp32[name] if fp32 is not None else None)
         limit = tolerance[name] if isinstance(tolerance, Mapping) else tolerance
@@ -496,13 +570,19 @@ def check_outputs(compiled: Mapping[str, Result], eager: Mapping[str, Result],
         else:
             vs32, eager32 = _error(got, ref32), _error(ref, ref32)
             bound = slack * eager32 + floor
+            if floor > slack * eager32:
+                floored.append(name)
             ok = vs32 <= bound
             values = [f"{vs_eager:.1e}", f"{vs32:.1e}", f"{eager32:.1e}", f"{bound:.1e}"]
         row |= dict(zip(columns, values, strict=True)) | {"within": "✅" if ok else "❌"}
         if not ok:
             failures.append(f"{name} differs beyond its bound")
         rows.append(row)
-    check = Check(title, rows, failures, compared)
+    note = "Errors are relative: ‖a − b‖ / ‖b‖ (the worst entry for a group of tensors)."
+    if floored:
+        note += (f" The bound of {', '.join(floored)} is mostly its {floor:g} floor: eager is that close to fp32 "
+                 "there.")
+    check = Check(title, rows, failures, compared, note)
     print(check)
     if strict and not check.passed:
         raise AssertionError(check.summary())
@@ -518,9 +598,38 @@ def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 Fresh = Callable[[], tuple[torch.nn.Module, torch.optim.Optimizer]]
 
 
+def _is_compiled(obj: object) -> bool:
+    return isinstance(obj, torch._dynamo.eval_frame.OptimizedModule) or hasattr(obj, "_torchdynamo_orig_callable")
+
+
+def _reaches_compiled(fn: object, depth: int = 4) -> bool:
+    """Whether ``fn`` is, or reaches through its closures, ``functools.partial`` arguments and modules' children, a
+    ``torch.compile``-d function or module. Dynamo reuses the graph of an earlier copy of a model without capturing
+    a new one, so a check counts this as compiled too."""
+    if _is_compiled(fn):
+        return True
+    if isinstance(fn, torch.nn.Module):
+        return any(_is_compiled(m) for m in fn.modules())
+    if depth == 0:
+        return False
+    if isinstance(fn, partial):
+        inner = [fn.func, *fn.args, *fn.keywords.values()]
+    else:
+        inner = [cell.cell_contents for cell in getattr(fn, "__closure__", None) or () if _cell_full(cell)]
+    return any(_reaches_compiled(x, depth - 1) for x in inner if callable(x) or isinstance(x, torch.nn.Module))
+
+
+def _cell_full(cell) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018
+    except ValueError:  # an empty cell
+        return False
+    return True
+
+
 def check_training_step(make: Callable[[torch.nn.Module, torch.optim.Optimizer], Callable[[], torch.Tensor]],
                         fresh: Fresh, inputs: torch.Tensor, targets: torch.Tensor, *,
-                        amp_dtype: torch.dtype | None, max_norm: float = 1.0, max_calls: int = 8,
+                        amp_dtype: torch.dtype | None, max_norm: float = 1.0, calls: int = 1, max_calls: int = 8,
                         title: str = "the compiled step", strict: bool = True,
                         optimizer_step: Callable[[torch.nn.Module, torch.optim.Optimizer], Callable[[], object]]
                         | None = None) -> Check:
@@ -531,7 +640,13 @@ def check_training_step(make: Callable[[torch.nn.Module, torch.optim.Optimizer],
 
     Use a model without dropout (compiled and eager dropout draw different random numbers). With fp16 the eager
     side uses a ``GradScaler`` as the compiled one should; each side steps until its gradients are finite (a
-    scaler skips an overflowing step without touching the weights), at most ``max_calls`` times.
+    scaler skips an overflowing step without touching the weights), at most ``max_calls`` times. ``calls``: steps
+    each side takes at least before the comparison, e.g. 3 for ``mode="reduce-overhead"``, whose CUDA graphs replay
+    from the third call.
+
+    Raises:
+        AssertionError: if the compiled side neither captured a graph nor reaches a compiled function or module (it
+            would compare eager with eager), or (when ``strict``) a quantity differs beyond its bound.
 
     ``optimizer_step``: the step's compiled clipping and optimizer update, ``optimizer_step(model, optimizer)``,
     checked afterwards by :func:`check_optimizer_step` (returned: the training step's check).
@@ -539,16 +654,22 @@ def check_training_step(make: Callable[[torch.nn.Module, torch.optim.Optimizer],
     from utils.train import train_step
 
     def run(step: Callable[[], torch.Tensor], m: torch.nn.Module) -> dict[str, Result]:
-        for _ in range(max_calls):
+        for i in range(max(calls, max_calls)):
             loss = step()
             grads = _grads(m)
-            if grads and _finite(grads):
+            if i + 1 >= calls and grads and _finite(grads):
                 break
         return {"loss": loss.detach().float().clone(), "clipped gradients": grads}
 
     m, opt = fresh()
-    compiled = run(make(m, opt), m)
-    del m, opt
+    start = _dynamo_graphs()
+    step = make(m, opt)
+    compiled = run(step, m)
+    captured = _dynamo_graphs() - start
+    if captured == 0 and not _reaches_compiled(step):
+        raise AssertionError(f"{title}: no graph was captured and the step reaches no compiled function or module, "
+                             "so this would compare eager with eager")
+    del m, opt, step
     results = {}
     for label, dtype in (("eager", amp_dtype), ("fp32", None))[:2 if amp_dtype is not None else 1]:
         m, opt = fresh()
@@ -557,8 +678,11 @@ def check_training_step(make: Callable[[torch.nn.Module, torch.optim.Optimizer],
                                      max_grad_norm=max_norm), m)
         del m, opt
     precision = f"{str(amp_dtype).removeprefix('torch.')} autocast, bounds against fp32" if amp_dtype else "fp32"
+    graphs = (f"{captured} graph{'s' * (captured != 1)} captured by Dynamo" if captured else
+              "graphs compiled before, reused by Dynamo")
+    after = f"after {calls} steps, " if calls > 1 else ""
     check = check_outputs(compiled, results["eager"], results.get("fp32"), tolerance=1e-5, strict=strict,
-                          title=f"{title} against eager ({precision})")
+                          title=f"{title} against eager ({after}{precision}; {graphs})")
     del compiled, results
     if optimizer_step is not None:
         check_optimizer_step(optimizer_step, fresh, max_norm=max_norm, strict=strict,

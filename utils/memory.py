@@ -465,7 +465,7 @@ class StepParts:
 
     device: str
     parts: dict[str, int]  # cuBLAS workspace (GPU), weights, activations, optimizer state, gradients, transient
-    peak_bytes: int  # a whole later step's peak, above what was allocated before the first matmul
+    peak_bytes: int  # a whole later step's peak, above what was allocated before the model (workspace excluded)
     peak_allocated_bytes: int  # everything allocated at that peak (not only above the start)
     cache_bytes: int | None  # GPU: the allocator's cache at the peak (peak reserved − peak allocated)
     outside_bytes: int | None  # GPU: used memory (mem_get_info) − reserved: context, libraries, other processes
@@ -520,8 +520,10 @@ def measure_step_parts(new_model: Any, make_optimizer: Any, inputs: torch.Tensor
       (``utils.train.lm_loss``); after backward, AdamW's **optimizer state** at its first ``step()`` (created
       lazily); the **gradients** freed by ``zero_grad(set_to_none=True)``;
     * the **peak** of a whole later step (``utils.train.train_step``) after one more complete step, so that
-      one-time costs stay out; what it holds beyond weights, state, workspace and activations is the **transient
-      at the peak** (above all the loss's backward);
+      one-time costs stay out; like :func:`check_steps`' peaks it counts from just before the model is built, so
+      the cuBLAS workspace (a once-per-process cost, listed on its own) is not in it, and one baseline has one peak
+      wherever it is printed; what the peak holds beyond weights, state and activations is the **transient at the
+      peak** (above all the loss's backward);
     * on a GPU also the allocator's **cache** at the peak (``max_memory_reserved − max_memory_allocated``) and what
       lies **outside** it: ``mem_get_info``'s used memory − ``memory_reserved``, the CUDA context and the libraries'
       code — and any other process on the GPU, which this process cannot tell apart.
@@ -563,8 +565,8 @@ def measure_step_parts(new_model: Any, make_optimizer: Any, inputs: torch.Tensor
     optimizer.zero_grad(set_to_none=True)
     with track_peak(dev) as step:
         train_step(model, optimizer, inputs, targets)
-    peak = step.peak_bytes - start
-    static = parts["weights"] + parts["optimizer state"] + parts.get("cuBLAS workspace", 0)
+    peak = max(0, step.peak_bytes - start - parts.get("cuBLAS workspace", 0))  # the step's own, as check_steps
+    static = parts["weights"] + parts["optimizer state"]
     parts["transient at the peak"] = max(0, peak - static - parts["activations"])
     cache = outside = None
     if on_gpu:

@@ -279,7 +279,8 @@ class PeakBreakdown:
                      f"{format_bytes(sum(b for _, b, _ in small))} in all.")
         if peak_allocated_bytes is not None:
             gap = self.peak_bytes - peak_allocated_bytes
-            text += (f" The snapshot's peak, {format_bytes(self.peak_bytes)}, against "
+            text += (f" The snapshot's peak counts the whole process, workspace and weights included: "
+                     f"{format_bytes(self.peak_bytes)}, against "
                      f"{format_bytes(peak_allocated_bytes)} from max_memory_allocated: " + (
                          f"{format_bytes(-gap)} less: the snapshot adds up the sizes requested, the counter the "
                          "allocator's blocks, rounded up." if gap <= 0 else

@@ -49,9 +49,11 @@ class StepOutcome:
     after_bytes: int = 0  # allocated after releasing
     device: str = ""  # where it ran (the before/held/after readings are the allocator's on CUDA, RSS on a CPU)
 
-    def report(self, *, slack_bytes: int = 2**20) -> str:
+    def report(self, *, slack_bytes: int = 2**20, cap_bytes: int | None = None) -> str:
         """For a step that was meant not to fit: the error and the memory before, while handling it and after
-        releasing, as two lines.
+        releasing, as two lines. The error is cut after its last whole sentence within 150 characters. With
+        ``cap_bytes`` (a :func:`memory_budget`'s ``cap_bytes``) it adds that the cap refused the allocation: the
+        error's "free" memory is the whole GPU's, which the cap does not change.
 
         Raises:
             AssertionError: if the step ran after all, or, on a GPU, if releasing left more than ``slack_bytes``
@@ -61,9 +63,26 @@ class StepOutcome:
         if self.device.startswith("cuda"):
             assert self.after_bytes <= self.before_bytes + slack_bytes, (
                 f"releasing left {format_bytes(self.after_bytes - self.before_bytes)} of the failed step allocated")
-        return (f"out of memory, caught: {self.error[:150] if self.error else ''}\nallocated before the step "
+        said = _first_sentences(self.error or "", 150)
+        if cap_bytes is not None:
+            said += f" The {format_bytes(cap_bytes)} cap on this process's allocator refused it, not the GPU."
+        return (f"out of memory, caught: {said}\nallocated before the step "
                 f"{format_bytes(self.before_bytes)} · while handling the error {format_bytes(self.held_bytes)} · "
                 f"after releasing {format_bytes(self.after_bytes)}")
+
+
+def _first_sentences(text: str, limit: int) -> str:
+    """The sentences of ``text`` ("… . ") that fit in ``limit`` characters: at least the first, cut with "…" if
+    that alone is longer."""
+    sentences = [part + "." for part in text.strip().split(". ") if part]
+    if sentences:
+        sentences[-1] = sentences[-1].removesuffix("..")
+    kept = ""
+    for sentence in sentences:
+        if kept and len(kept) + 1 + len(sentence) > limit:
+            break
+        kept = f"{kept} {sentence}".strip()
+    return kept if len(kept) <= limit else kept[:limit - 1] + "…"
 
 
 def try_step(fn: Callable[[], object], device: torch.device | str, *, release: Sequence[Any] = ()) -> StepOutcome:

@@ -307,7 +307,7 @@ def compare_profiles(before: StepProfile, after: StepProfile, names: tuple[str, 
         text = f"{label} {verb} most ({_format_us(tb[kind] * 1e6)} → {_format_us(ta[kind] * 1e6)}"
         if kind != "idle":
             b_top, a_top = _largest_of_kind(before, kind), _largest_of_kind(after, kind)
-            short = {n: "none" if n is None else n[:60] for n in (b_top, a_top)}
+            short = {n: "none" if n is None else n if len(n) <= 60 else n[:59] + "…" for n in (b_top, a_top)}
             text += (f"; the largest in both: {short[a_top]}" if b_top == a_top else
                      f"; the largest {b_name}: {short[b_top]}, {a_name}: {short[a_top]}")
             if a_top is None and b_top is not None:  # not gone: done by kernels of another kind (a fused matmul...)
