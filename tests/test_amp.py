@@ -76,7 +76,7 @@ def test_histograms_and_plots():
 def test_train_alike_passes_close_curves_and_fails_a_stray_one():
     fp32 = [3.0 - 0.01 * i for i in range(50)]
     close = amp.train_alike({"fp32": fp32, "bf16": [v + 0.01 for v in fp32]})
-    assert close.window == 5 and "All 1 variants train like fp32" in close.check()
+    assert close.window == 5 and " trains like fp32: every" in close.check()
     assert close.rows()[1]["largest gap to fp32 (smoothed)"] == "0.010"
     stray = amp.train_alike({"fp32": fp32, "fp16": [v + 0.5 for v in fp32]})
     with pytest.raises(AssertionError, match="fp16 did not train like fp32"):
@@ -177,3 +177,13 @@ def test_close_to_is_a_sweep_check():
         check(torch.ones(4) * 1.1, torch.ones(4))
     with pytest.raises(AssertionError):
         check(torch.full((4,), float("nan")), torch.ones(4))
+
+
+def test_cpu_bf16_reasons_follow_the_cpus_matrix_units(monkeypatch):
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False, raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False, raising=False)
+    assert "no bf16 matrix units" in amp.cpu_bf16_reasons()["slower"] and "faster" not in amp.cpu_bf16_reasons()
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True, raising=False)
+    assert amp.cpu_bf16_reasons() == {"faster": "this CPU has AMX for bf16 matmuls"}
+    monkeypatch.delattr(torch.cpu, "_is_amx_tile_supported")
+    assert amp.cpu_bf16_reasons() == {}, "a build without the probes gives no reason rather than a guess"

@@ -501,3 +501,9 @@ def test_a_table_orders_variants_as_their_speed_ups_do():
     assert c.fastest == "b" and c.time_s("b") < c.time_s("a")
     rows = {r["variant"]: r for r in c.rows()}
     assert rows["b"]["per call"] == format_seconds(c.time_s("b"))
+    for name in ("a", "b"):  # the band surrounds the number it belongs to: the speed-up's band, as times
+        lo, hi = c.time_band_s(name)
+        assert lo <= c.time_s(name) <= hi
+        assert (lo, hi) == pytest.approx((c.time_s("seed") / c.verdict(name).band[1],
+                                          c.time_s("seed") / c.verdict(name).band[0]))
+    assert c.time_band_s("seed") == c.timings["seed"].quartiles_s

@@ -576,3 +576,13 @@ def test_notebook_kernel_is_this_modules_kernel():
     cell = next(c.source for c in nb.cells if c.cell_type == "code" and "def bias_gelu_kernel(" in c.source)
     ours = bg.source_of(bg.bias_gelu_kernel)
     assert cell[cell.index("def bias_gelu_kernel("):].strip() == ours[ours.index("def bias_gelu_kernel("):].strip()
+
+
+def test_eager_error_names_the_reference_itself():
+    import torch
+
+    from utils import bias_gelu as bg
+
+    ref = torch.ones(4)
+    assert bg._eager_error(ref.clone(), ref) == "0 (the reference)"
+    assert bg._eager_error(ref + 2e-3, ref) == "2.0e-03"

@@ -244,3 +244,23 @@ def test_cuda_build_reports_registers_per_kernel():
     usage = bg.cuda_kernel_usage(torch.bfloat16, arch=arch)
     assert list(usage) == list(bg.CUDA_VARIANTS), usage
     assert all(8 <= u.registers <= 255 and u.spill_stores == 0 for u in usage.values())
+
+
+def test_quiet_cuda_home_notice_silences_only_the_import(monkeypatch):
+    import logging
+    import sys
+
+    import torch
+
+    from utils import extension as ext
+
+    logger, seen = logging.getLogger("torch.utils.cpp_extension"), []
+    monkeypatch.delitem(sys.modules, "torch.utils.cpp_extension", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(ext.importlib, "import_module", lambda name: seen.append((name, logger.level)))
+    level = logger.level
+    ext.quiet_cuda_home_notice()
+    assert seen == [("torch.utils.cpp_extension", logging.ERROR)] and logger.level == level
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU: nothing to quiet
+    ext.quiet_cuda_home_notice()
+    assert len(seen) == 1

@@ -232,7 +232,8 @@ class TrainAlike:
                                  + "; ".join(f"{n}: gap {self.gap(n):.3f} nats, final {self.final_change(n):+.2%}"
                                              for n in bad))
         worst = max(others, key=self.gap)
-        return (f"All {len(others)} variants train like {self.reference}: every smoothed curve stays within "
+        who = {1: f"{others[0]} trains", 2: "Both variants train"}.get(len(others), f"All {len(others)} variants train")
+        return (f"{who} like {self.reference}: every smoothed curve stays within "
                 f"{self.max_gap} nats of it (the farthest, {worst}, {self.gap(worst):.3f}) and every final loss "
                 f"within {self.max_final:.0%}.")
 
@@ -372,17 +373,15 @@ def step_rows(steps: Comparison, *, tokens: int, peaks: Mapping[str, float],
 
 def record_steps(steps: Comparison, names: Mapping[str, str],
                  memory: Mapping[str, Mapping[str, int | None]] | None = None) -> None:
-    """Record ``step_ms_<name>`` (the comparison's time per call, :meth:`Comparison.time_s`, with the quartiles as
-    the band) for each variant in ``names``
-    (variant → name) that the comparison timed, and ``peak_mem_gib_<name>`` (GiB, as the tables print memory) where
-    ``memory`` has its peak bytes."""
+    """Record ``step_ms_<name>`` (the comparison's time per call, with :meth:`Comparison.time_band_s` as the band)
+    for each variant in ``names`` (variant → name) that the comparison timed, and ``peak_mem_gib_<name>`` (GiB, as
+    the tables print memory) where ``memory`` has its peak bytes."""
     from utils import results
 
     for variant, name in names.items():
         if variant not in steps.timings:
             continue
-        timing = steps.timings[variant]
-        q1, q3 = timing.quartiles_s
+        q1, q3 = steps.time_band_s(variant)
         results.record(f"step_ms_{name}", steps.time_s(variant) * 1e3, "ms", band=(q1 * 1e3, q3 * 1e3))
         peak = (memory or {}).get(variant, {}).get("peak_bytes")
         if peak:
@@ -492,3 +491,18 @@ def close_to(tolerance: float) -> Callable[[torch.Tensor, torch.Tensor], None]:
             raise AssertionError(f"relative error {error:.2e} exceeds {tolerance:.0e}")
 
     return check
+
+
+def cpu_bf16_reasons() -> dict[str, str]:
+    """Reasons by outcome for bf16 against fp32 on this CPU, for :meth:`Verdict.explain`: bf16 is fast on a CPU only
+    with matrix units for it (AMX tiles or AVX512-BF16), which PyTorch probes with private functions (read here
+    guarded, as "unknown" where a build lacks them)."""
+    probes = {"AMX": "_is_amx_tile_supported", "AVX512-BF16": "_is_avx512_bf16_supported"}
+    found = {name: getattr(torch.cpu, probe, None) for name, probe in probes.items()}
+    if any(probe is None for probe in found.values()):
+        return {}
+    units = [name for name, probe in found.items() if probe()]
+    if units:
+        return {"faster": f"this CPU has {' and '.join(units)} for bf16 matmuls"}
+    return {"slower": "this CPU has no bf16 matrix units (AMX, AVX512-BF16): bf16 only adds conversions",
+            "same": "this CPU has no bf16 matrix units (AMX, AVX512-BF16)"}

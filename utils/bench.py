@@ -533,10 +533,19 @@ class Comparison:
         median divided by the variant's speed-up (the median of the per-round ratios). So a table, a rate, a
         recorded time and a verdict all rest on one number per variant, and two close variants are never ordered
         one way by their times and the other way by their speed-ups. (A variant's own median can differ from it by
-        the drift the alternating rounds cancel; its band is still its own quartiles.)"""
+        the drift the alternating rounds cancel.) Its band: :meth:`time_band_s`."""
         variant = self._default(variant)
         base = self._timing(self.baseline).median_s
         return base if variant == self.baseline else base / self.speedup(variant)
+
+    def time_band_s(self, variant: str | None = None) -> tuple[float, float]:
+        """The band of :meth:`time_s`: the baseline's quartiles, and for every other variant the baseline's median
+        over the ends of its speed-up's band (:class:`Verdict`), so the band belongs to the number it surrounds."""
+        variant = self._default(variant)
+        if variant == self.baseline:
+            return self._timing(variant).quartiles_s
+        base, (lo, hi) = self._timing(self.baseline).median_s, self.verdict(variant).band
+        return base / hi, base / lo
 
     def rate(self, variant: str | None = None) -> float:
         """Work per second of ``variant`` at its median time (GB/s, TFLOP/s or items/s).
@@ -571,8 +580,8 @@ class Comparison:
         """Table rows: variant, median time per call, its band, rate and % of the limit (when given), speed-up
         over the baseline and the verdict."""
         rows = []
-        for name, t in self.timings.items():
-            q1, q3 = t.quartiles_s
+        for name in self.timings:
+            q1, q3 = self.time_band_s(name)
             row: dict[str, object] = {"variant": name, "per call": format_seconds(self.time_s(name)),
                                       "band": f"{format_seconds(q1)}–{format_seconds(q3)}"}
             if self.work is not None:
@@ -597,8 +606,8 @@ class Comparison:
     def _title(self) -> str:
         head = f"{self.title}: " if self.title else ""
         return (f"{head}{len(self.timings)} variants timed in {self.rounds} alternating rounds "
-                f"(speed-up: median of the per-round ratios; per call: the baseline's ÷ speed-up; verdicts "
-                f"resolve ±{self.resolution:.0%})")
+                f"(speed-up: median of the per-round ratios; per call: the baseline's ÷ speed-up, band from the "
+                f"speed-up's; verdicts resolve ±{self.resolution:.0%})")
 
     def plot(self, *, title: str | None = None, log: bool | None = None):
         """Horizontal bars of the median time per call (or the rate, when work was given), each with its band;
@@ -609,11 +618,11 @@ class Comparison:
         names = self.variants
         if self.work is not None:
             values = [self.rate(n) for n in names]
-            bands = [tuple(self.work.rate(n, s) for s in reversed(self.timings[n].quartiles_s)) for n in names]
+            bands = [tuple(self.work.rate(n, s) for s in reversed(self.time_band_s(n))) for n in names]
             label = self.work.rate_unit
         else:
             values = [self.time_s(n) * 1e3 for n in names]
-            bands = [tuple(s * 1e3 for s in self.timings[n].quartiles_s) for n in names]
+            bands = [tuple(s * 1e3 for s in self.time_band_s(n)) for n in names]
             label = "time per call (ms), median and band"
         errors = [(max(v - lo, 0.0), max(hi - v, 0.0)) for v, (lo, hi) in zip(values, bands, strict=True)]
         log = log if log is not None else max(values) > 20 * min(values)
@@ -650,18 +659,17 @@ class Comparison:
             self._timing(variant)
             quantity = quantity or ("time" if variant == self.baseline else "speedup")
             if quantity == "time":  # with a rate limit, the limit as a time: the least this work can take
-                t = self.timings[variant]
                 floor = None
                 if self.limit is not None and self.work is not None:
                     floor = self.time_s(variant) * self.rate(variant) / self.limit  # the work at the limit's rate
-                results.record(name, self.time_s(variant), "s", band=t.quartiles_s, limit=floor,
+                results.record(name, self.time_s(variant), "s", band=self.time_band_s(variant), limit=floor,
                                limit_name=self.limit_name if floor is not None else None)
             elif quantity == "speedup":
                 v = self.verdict(variant)
                 results.record(name, v.speedup, "x", band=v.band)
             elif quantity == "rate":
-                t = self.timings[variant]
-                lo, hi = (self.work.rate(variant, s) for s in reversed(t.quartiles_s)) if self.work else (0, 0)
+                band = self.time_band_s(variant)
+                lo, hi = (self.work.rate(variant, s) for s in reversed(band)) if self.work else (0, 0)
                 results.record(name, self.rate(variant), self.work.rate_unit, band=(lo, hi), limit=self.limit,
                                limit_name=self.limit_name if self.limit is not None else None)
             else:

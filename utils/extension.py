@@ -34,8 +34,10 @@ from __future__ import annotations
 import contextlib
 import csv
 import hashlib
+import importlib
 import io
 import json
+import logging
 import os
 import re
 import shutil
@@ -144,6 +146,25 @@ def why_not_buildable(spec: ExtensionSpec | None = None, *, cuda: bool | None = 
             return ("no nvcc: PyTorch's pip wheels bring the CUDA runtime, not the compiler; install the CUDA "
                     "toolkit (or set CUDA_HOME) to build CUDA C++")
     return None
+
+
+def quiet_cuda_home_notice() -> None:
+    """Import ``torch.utils.cpp_extension`` (Inductor's C++ backend imports it on a first compile) with its warning
+    "No CUDA runtime is found, using CUDA_HOME=..." silenced: on a CPU-only machine where a CUDA toolkit is
+    installed, that line says only that this torch found no GPU, which the lesson already says. Its other warnings
+    stay on. Does nothing where a GPU is present or the module is already imported."""
+    if "torch.utils.cpp_extension" in sys.modules or torch.cuda.is_available():
+        return
+    logger = logging.getLogger("torch.utils.cpp_extension")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        importlib.import_module("torch.utils.cpp_extension")  # the warning is logged once, at import
+    finally:
+        logger.setLevel(level)
+
+
+quiet_cuda_home_notice()
 
 
 def build_directory(spec: ExtensionSpec, root: Path = BUILD_ROOT) -> Path:

@@ -42,6 +42,7 @@ from typing import Literal
 
 import torch
 
+from utils import extension as _extension  # noqa: F401  (its import quiets a CPU-only CUDA_HOME notice)
 from utils.bench import Comparison, Outcome, Verdict, format_seconds, ratio_text
 from utils.profile import Kernel, StepProfile, kind_of
 
@@ -143,17 +144,19 @@ class Diagnosis:
     on_gpu: bool
     idle: float = 0.0  # the share of the step the device waits for the host (CPU: time between operators)
     no_tip: str = "none of them exists on this device"  # why ``tips`` is empty, where it is
-    per_kernel_us: float = 0.0  # the step's time over its kernels (operators on a CPU): the host's µs per launch
+    per_kernel_us: float = 0.0  # the step's time over its kernels (operators on a CPU): the host's cost only where
+    # the step is launch-bound; the host's own cost per call is ``launch_us``, measured apart
     launch_us: tuple[tuple[str, float], ...] = ()  # host µs per call measured apart (e.g. ATen's and Inductor's)
 
     @property
     def host_note(self) -> str:
-        """The host's cost per launch, for a step that waits for the host: "host: 9.1 µs per kernel of this step;
-        ATen op 4.2 µs, compiled call 11.8 µs on this CPU" — what a reader on a faster CPU can scale by."""
+        """The step's time per launch, and the host's cost per call measured apart, for a step that waits for the
+        host: "50 µs of step time per kernel; host per call: ATen op 4.2 µs, compiled call 11.8 µs on this CPU" —
+        what a reader on a faster CPU can scale by."""
         what = "kernel" if self.on_gpu else "operator"
-        apart = "; ".join(f"{name} {format_seconds(us / 1e6)}" for name, us in self.launch_us)
-        return (f"host: {format_seconds(self.per_kernel_us / 1e6)} per {what} of this step"
-                + (f"; {apart} on this CPU" if apart else ""))
+        apart = ", ".join(f"{name} {format_seconds(us / 1e6)}" for name, us in self.launch_us)
+        return (f"{format_seconds(self.per_kernel_us / 1e6)} of step time per {what}"
+                + (f"; host per call: {apart} on this CPU" if apart else ""))
 
     @property
     def tip(self) -> Tip | None:
@@ -247,13 +250,17 @@ def _tips(keys: Sequence[str]) -> tuple[Tip, ...]:
     return tuple(TIPS[k] for k in keys)
 
 
+UNRESOLVED = 1.2  # a change of the busy work under 20% is not read as a cause: a few-step profile is that noisy
+
+
 def profile_change(before: StepProfile, after: StepProfile, *, kind: str | None = None) -> str:
     """What changed between the profiles of two variants of a step, in measured numbers — the time of one class of
     kernels (``kind``: 'conv', 'matmul', 'attention' or 'other'; see :func:`time_by_class`), the device's busy
     time, kernels per step and the idle share — followed by what it means when the second step's device did less
     work but the step did not follow: it waits for the host (host-bound). A busy time that changed by under 5% is
-    said as it is: "did not change", "shrank by only 2%", "did not shrink (it grew 3%)"; a class of kernels whose
-    time changed by under 0.5% is "(unchanged)".
+    said as it is: "did not change", "shrank by only 2%", "did not shrink (it grew 3%)"; one that shrank by under
+    20% (:data:`UNRESOLVED`) is "unresolved by a 2-step profile", never a cause (a few steps profiled are that
+    noisy, above all operators on a CPU); a class of kernels whose time changed by under 0.5% is "(unchanged)".
 
     e.g. "conv kernels 3.18 ms → 2.54 ms per step (1.25× faster); GPU busy 27.5 ms → 15.1 ms, 999 → 927 kernels;
     GPU idle 17% → 52% of the step: the GPU work shrank 1.82×, but the GPU waits for the host 52% of the step
@@ -286,11 +293,15 @@ def profile_change(before: StepProfile, after: StepProfile, *, kind: str | None 
                                if gpu else f"; the rest of the {unit} {before.idle_fraction:.0%} → "
                                            f"{after.idle_fraction:.0%}")
     shrank = before.busy_s / after.busy_s if after.busy_s > 0 else math.inf
+    change = after.busy_s / before.busy_s - 1 if before.busy_s > 0 else 0.0
     if shrank < 1.05:  # under 5%: said as it is, by how much and which way
-        change = after.busy_s / before.busy_s - 1 if before.busy_s > 0 else 0.0
         return text + (f": the {work} work did not change" if f"{abs(change):.0%}" == "0%" else
                        f": the {work} work shrank by only {-change:.0%}" if change < 0 else
                        f": the {work} work did not shrink (it grew {change:.0%})")
+    if shrank < UNRESOLVED:  # a shift a short profile cannot tell from its own noise: no cause is read into it
+        steps = min(before.steps, after.steps)
+        return text + (f": the {work} work shrank {-change:.0%}, unresolved by a {steps}-step profile (a shift "
+                       f"under {UNRESOLVED - 1:.0%} can be the profile's own noise)")
     if after.idle_fraction >= 0.2:
         remedy = (" (host-bound: only fewer launches would shorten it further — CUDA graphs, or torch.compile's "
                   "mode=\"reduce-overhead\")") if gpu else ""
@@ -984,6 +995,8 @@ def profile_tables(prof, *, phases: Sequence[str], steps: int, on_gpu: bool) -> 
           title=f"The longest idle gaps of {steps} steps")
     window_us = max(k.end_us for k in kernels) - min(k.start_us for k in kernels)
     idle = sum(g.duration_us for g in idle_gaps(kernels, top=len(kernels))) / window_us if window_us > 0 else 0.0
-    print(f"Between the first and the last {what[:-1]} of the profile ({format_seconds(window_us / 1e6)}), the "
-          f"{'GPU' if on_gpu else 'CPU'} sat idle {idle:.0%} of the time")
+    span = f"Between the first and the last {what[:-1]} of the profile ({format_seconds(window_us / 1e6)})"
+    print(f"{span}, the GPU sat idle {idle:.0%} of the time" if on_gpu else
+          f"{span}, {idle:.0%} of the time was spent between operators: Python, dispatch and the profiler's "
+          "bookkeeping (on a CPU the host runs the operators too, so nothing waits idle)")
     return idle
