@@ -1,6 +1,8 @@
-"""DistributedDataParallel on the course's Transformer: checked against one process, then timed variant by variant.
+"""Data-parallel training of the course's Transformer, DDP and FSDP2: checked against one process, then timed
+variant by variant on 1, 2, …, N GPUs.
 
-    python -m torch.distributed.run --standalone --nproc-per-node=2 scripts/ddp_train.py --device cuda --check
+    python -m torch.distributed.run --standalone --nproc-per-node=4 scripts/ddp_train.py --device cuda --check \
+        --variants plain:1,ddp:1,ddp:2,ddp:4,fsdp:2,fsdp:4
 
 ``--check`` (fp32, no dropout): one SGD step of DDP, every rank on its own shard of a batch, must give the
 gradients and weights of one process training on the whole batch; gradient accumulation with ``no_sync`` must give
@@ -8,12 +10,14 @@ the same gradients again while all-reducing once per optimizer step instead of o
 communication hook counts the calls and the bytes, after a first step: DDP's first backward all-reduces through
 buckets of its own and only then rebuilds them in the order backward produced the gradients). Then every variant
 in ``--variants`` is timed at the same per-process batch (``--batch``; ``name@N`` times a variant at N sequences
-per process instead) on every process (``name:1`` on the first alone, in a process group of its own, while the others
-idle: one GPU's step, timed in the same rounds as the rest):
+per process instead) on every process (``name:k`` on the first k alone, in a process group of their own, while the
+others idle: e.g. ``ddp:1`` is one GPU's step, timed in the same rounds as the rest):
 
     plain          the model without DDP: ``plain:1`` is the one-GPU baseline; on every process, each trains alone
                    without communication — what sharing the machine costs
     ddp            DDP with its defaults (buckets closed once they hold 25 MiB)
+    fsdp           FSDP2 (``fully_shard`` on the embedding, every encoder layer and the head, then the root), fp32
+                   parameters under the same autocast as DDP: the two compared at one precision
     bucket_1mb     DDP with 1 MiB gradient buckets (more, smaller all-reduces, started earlier)
     bucket_100mb   DDP with 100 MiB buckets (fewer, larger all-reduces, started later)
     bucket_view    gradient_as_bucket_view=True (gradients live in the buckets: no copy, less memory)
@@ -25,14 +29,17 @@ idle: one GPU's step, timed in the same rounds as the rest):
 The variants are timed in alternating rounds (``utils.distributed.interleaved_bench``: every round builds each
 variant afresh and times one block of steps; the accumulation variants, of 4 micro-batches per step, get blocks
 twice as long; the notebook compares them round by round with ``utils.distributed.compared``), and after all the
-rounds each is profiled once: its kernels' time split into computation, communication not hidden
-by it, and idle time (``--profile-trace PATH``: rank 0 also saves the Perfetto trace of ``ddp``). Rank 0 writes
-everything as JSON (``--result``), with the bytes each variant all-reduces per optimizer step.
+rounds each variant of ``--profile`` is profiled once: its kernels' time split into computation, communication not
+hidden by it, and idle time (``--profile-trace PATH``: rank 0 also saves the Perfetto trace of DDP on every rank).
+Every variant reports its peak memory per GPU. All variants train under one precision: bf16 autocast on GPUs with
+bf16 arithmetic, fp32 elsewhere (fp16 would need a GradScaler). Rank 0 writes everything as JSON (``--result``),
+with the bytes each variant all-reduces per optimizer step.
 """
 
 import copy
 import os
 import sys
+import warnings
 from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
@@ -42,6 +49,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the course's uti
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from utils import distributed as D
@@ -50,20 +59,38 @@ from utils.models import TransformerConfig, TransformerModel
 from utils.profile import profile_steps
 from utils.train import lm_loss, train_step
 
+# FSDP2 warns that a unit returned a view (a Linear on [B, T, d] does): only an in-place op on it would be wrong,
+# and nothing here modifies a module's output in place.
+warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
 #: Model sizes: the seed's Transformer on GPUs, a tiny one of the same design on CPU (the result and the log give
 #: the parameter count).
 CONFIGS = {"seed": TransformerConfig(),
            "tiny": TransformerConfig(vocab_size=512, d_model=64, nhead=4, num_layers=2, dim_feedforward=128)}
 ACCUMULATE = 4  # micro-batches per optimizer step in the accumulation variants
-VARIANTS = ("plain", "ddp", "bucket_1mb", "bucket_100mb", "bucket_view", "static_graph", "compress_hook",
+VARIANTS = ("plain", "ddp", "fsdp", "bucket_1mb", "bucket_100mb", "bucket_view", "static_graph", "compress_hook",
             "accum_sync", "accum_no_sync")
 
 
+def shard_model(model, mesh, mp_policy=None):
+    """FSDP2: shard the embedding, every encoder layer and the head as units of their own, then the root."""
+    mp_policy = mp_policy or MixedPrecisionPolicy()
+    # the logits leave the head in fp32 (the loss needs them so); inside, each unit's output stays in param_dtype
+    last = replace(mp_policy, output_dtype=torch.float32) if mp_policy.param_dtype is not None else mp_policy
+    for unit in (model.embedding, *model.encoder.layers):
+        fully_shard(unit, mesh=mesh, mp_policy=mp_policy)
+    fully_shard(model.head, mesh=mesh, mp_policy=last)
+    return fully_shard(model, mesh=mesh, mp_policy=last)
+
+
 def wrap(model, ctx, variant, group=None):
-    """The model as the variant trains it (DDP over ``group``, default all ranks, with the variant's options, or
-    itself for 'plain')."""
+    """The model as the variant trains it over ``group`` (default: all ranks): DDP with the variant's options,
+    FSDP2, or the model itself for 'plain'."""
     if variant == "plain":
         return model
+    if variant == "fsdp":
+        mesh = (init_device_mesh(ctx.device.type, (ctx.world_size,)) if group is None
+                else DeviceMesh.from_group(group, ctx.device.type))
+        return shard_model(model, mesh)
     options = {"bucket_1mb": {"bucket_cap_mb": 1}, "bucket_100mb": {"bucket_cap_mb": 100},
                "bucket_view": {"gradient_as_bucket_view": True}, "static_graph": {"static_graph": True}}
     ddp = DDP(model, device_ids=[ctx.local_rank] if ctx.device.type == "cuda" else None, process_group=group,
@@ -176,8 +203,8 @@ def parse_variant(spec, default_batch, world_size):
 def allreduce_bytes(name, grad_bytes, world_size):
     """Bytes a variant all-reduces per optimizer step: the fp32 gradient once, half of it in 16 bits with the
     compression hook, once per micro-batch when accumulating without no_sync; none without DDP or alone (a single
-    rank's all-reduce moves nothing over a link)."""
-    if name == "plain" or world_size < 2:
+    rank's all-reduce moves nothing over a link). FSDP2 moves other collectives (see fsdp_train.py): 0 here."""
+    if name in ("plain", "fsdp") or world_size < 2:
         return 0
     if name == "compress_hook":
         return grad_bytes // 2
@@ -207,7 +234,7 @@ def main() -> None:
     parser.add_argument("--check", action="store_true")
     parser.add_argument("--min-run-s", type=float, default=None, help="seconds of timing per variant, all rounds")
     parser.add_argument("--rounds", type=int, default=None, help="rounds of interleaved timing")
-    parser.add_argument("--profile", default="all", help="which variants to profile (comma-separated), or 'all'")
+    parser.add_argument("--profile", default="all", help="which variants to profile (comma-separated), 'all' or ''")
     parser.add_argument("--profile-trace", type=Path, default=None)
     args = parser.parse_args()
     on_gpu = args.device == "cuda"
@@ -229,7 +256,7 @@ def main() -> None:
     seq = args.seq or (256 if on_gpu else 32)
     rounds = args.rounds or (10 if on_gpu else 4)
     min_run_s = args.min_run_s or (2.0 if on_gpu else 0.3)
-    amp_dtype = (torch.bfloat16 if D.native_bf16(ctx.device) else torch.float16) if on_gpu else None
+    amp_dtype = torch.bfloat16 if D.native_bf16(ctx.device) else None  # one precision for every variant
     out = {"world_size": ctx.world_size, "backend": ctx.backend, "batch_per_rank": batch, "seq": seq,
            "config": config_name,
            "device": torch.cuda.get_device_name(ctx.device) if on_gpu else "cpu", "rounds": rounds,
@@ -258,10 +285,10 @@ def main() -> None:
                 model = TransformerModel(config)
             model.load_state_dict(init_state)
             wrapped = wrap(model, ctx, name, groups.get(k))
-            optimizer = torch.optim.AdamW(wrapped.parameters(), lr=1e-4, fused=on_gpu)
+            optimizer = torch.optim.AdamW(wrapped.parameters(), lr=1e-4, fused=on_gpu)  # DTensors too (FSDP2)
             return step_fn(wrapped, optimizer, name, *data[b], amp_dtype)
 
-        profiled = set(specs) if args.profile == "all" else set(args.profile.split(","))
+        profiled = set(specs) if args.profile == "all" else set(filter(None, args.profile.split(",")))
 
         def measured(spec, step, timing):
             if step is idle:
@@ -269,7 +296,8 @@ def main() -> None:
             if spec not in profiled:
                 return {"peak_bytes": torch.cuda.max_memory_allocated(ctx.device) if on_gpu else None,
                         "profile": None}
-            trace = args.profile_trace if spec == "ddp" and ctx.is_main else None
+            widest_ddp = parsed[spec][0] == "ddp" and parsed[spec][2] == world
+            trace = args.profile_trace if widest_ddp and ctx.is_main else None
             return measure(ctx, step, timing.median_s, trace)
 
         block_s = {spec: (2 if parsed[spec][0].startswith("accum") else 1) * min_run_s / rounds for spec in specs}

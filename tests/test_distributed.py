@@ -45,9 +45,17 @@ def test_child_env_passes_everything_else_and_adds_only_what_it_needs(monkeypatc
     assert env["COURSE_TEST_VARIABLE"] == "kept" and env["PYTHONUNBUFFERED"] == "1"
     assert int(env["OMP_NUM_THREADS"]) >= 1 and "NCCL_DEBUG" not in env
     added = set(env) - set(os.environ)
-    assert added <= {"OMP_NUM_THREADS", "PYTHONUNBUFFERED"}
+    assert added <= {"OMP_NUM_THREADS", "PYTHONUNBUFFERED", *D.MULTICAST_OFF}
     monkeypatch.setenv("OMP_NUM_THREADS", "7")
     assert D.child_env(2)["OMP_NUM_THREADS"] == "7", "a thread count set by the reader is kept"
+
+
+def test_child_env_switches_multicast_off_where_the_parent_says_nothing():
+    env = D.child_env(4, parent={"PATH": "/bin"})
+    assert {name: env[name] for name in D.MULTICAST_OFF} == {"NCCL_NVLS_ENABLE": "0",
+                                                             "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                                                             "NVSHMEM_DISABLE_NVLS": "1"}
+    assert D.child_env(4, parent={"NCCL_NVLS_ENABLE": "0"})["NCCL_NVLS_ENABLE"] == "0"
 
 
 @pytest.mark.parametrize("name", D.PASSED_THROUGH)
@@ -93,7 +101,53 @@ def test_function_source_reads_a_scripts_function():
 def test_torchrun_command_uses_this_python():
     cmd = D.torchrun_command("scripts/x.py", 2, ["--a", 1])
     assert cmd[:3] == [os.sys.executable, "-m", "torch.distributed.run"]
-    assert "--nproc-per-node=2" in cmd and cmd[-3:] == ["scripts/x.py", "--a", "1"]
+    assert "--nproc-per-node=2" in cmd and "--standalone" in cmd and cmd[-3:] == ["scripts/x.py", "--a", "1"]
+
+
+def test_torchrun_command_for_several_nodes_meets_at_a_c10d_rendezvous():
+    cmd = D.torchrun_command("x.py", 2, ["--a", 1], nnodes=2, endpoint="localhost:29511", run_id="job", is_host=False)
+    assert "--standalone" not in cmd and "--nnodes=2" in cmd and "--rdzv-backend=c10d" in cmd
+    assert "--rdzv-endpoint=localhost:29511" in cmd and "--rdzv-id=job" in cmd and "--rdzv-conf=is_host=0" in cmd
+    with pytest.raises(ValueError, match="endpoint"):
+        D.torchrun_command("x.py", 2, nnodes=2)
+    shown = D.machine_commands("fsdp_train.py", 4, ["--phases", "resume"])
+    assert "torchrun --nnodes=2 --nproc-per-node=4 --rdzv-backend=c10d --rdzv-endpoint=MACHINE_A:29500" in shown
+    assert "NCCL_SOCKET_IFNAME" in shown and "scripts/fsdp_train.py --phases resume" in shown
+    assert os.sys.executable not in shown and "is_host" not in shown
+
+
+def test_split_devices_gives_each_node_its_half():
+    assert D.split_devices(4) == ["0,1", "2,3"]
+    assert D.split_devices(3) == ["0,1", "2"]
+    assert D.split_devices(8) == ["0,1,2,3", "4,5,6,7"]
+    assert D.split_devices(4, visible="4,5,6,7") == ["4,5", "6,7"], "the GPUs this process was given"
+    assert D.split_devices(2, visible="GPU-a, GPU-b") == ["GPU-a", "GPU-b"]
+    with pytest.raises(ValueError):
+        D.split_devices(1)
+
+
+def test_gpu_counts_are_powers_of_two_and_every_gpu():
+    assert [D.gpu_counts(n) for n in (1, 2, 3, 4, 6, 8)] == [[1], [1, 2], [1, 2, 3], [1, 2, 4], [1, 2, 4, 6],
+                                                            [1, 2, 4, 8]]
+    with pytest.raises(ValueError):
+        D.gpu_counts(0)
+
+
+def test_plan_says_what_runs_where():
+    four = D.plan(gpus=4, nccl=True, gpu_name="H100")
+    assert (four.device, four.nproc, four.scale_device, four.ladder) == ("cuda", 4, "cuda", [1, 2, 4])
+    assert four.label == "4 × H100, NCCL" and four.unit == "GPU" and "1, 2, 4" in str(four)
+    eight = D.plan(gpus=8, nccl=True, gpu_name="H100")
+    assert eight.ladder == [1, 2, 4, 8] and eight.nproc == 8
+    assert D.plan(gpus=3, nccl=True, gpu_name="x").ladder == [1, 2, 3]
+    one = D.plan(gpus=1, nccl=True, gpu_name="T4")
+    assert (one.device, one.nproc, one.scale_device, one.scale_nproc) == ("cpu", 2, "cuda", 1)
+    assert "scaling needs a second" in str(one) and one.scale_label == "T4, NCCL" and one.unit == "GPU"
+    for none in (D.plan(gpus=0, nccl=True), D.plan(gpus=2, nccl=False, gpu_name="x")):
+        assert (none.device, none.nproc, none.scale_device, none.ladder) == ("cpu", 2, "cpu", [1, 2])
+        assert none.unit == "process" and "not comparable" in none.label
+    assert "no NCCL" in str(D.plan(gpus=2, nccl=False, gpu_name="x"))
+    assert D.plan(torch.device("cpu")).gpus == 0, "a CPU device: no GPU runs, whatever the machine has"
 
 
 def test_launch_rejects_bad_arguments():
@@ -261,37 +315,73 @@ def test_compared_pairs_the_rounds_of_one_launch():
         D.compared(runs, ["ddp", "no_such"])
 
 
+def _ladder(plain1, by_key):
+    """Variants of scripts/ddp_train.py on 1, 2, …: 'plain:1' and every key of by_key ('ddp:4' → its rounds)."""
+    return {"plain:1": _variant(plain1, 1), **{k: _variant(v, int(k.split(":")[1])) for k, v in by_key.items()}}
+
+
 def test_scaling_is_a_ratio_of_throughputs_from_the_same_rounds():
-    # notebook 10's 2 × H200 run at 128 per GPU: 45.2 ms on one GPU, 46.7 ms with DDP on two (a drifting clock)
-    runs = _launch([45.2, 46.2, 45.0, 47.0, 45.4, 45.3], [45.3, 46.3, 45.1, 47.2, 45.5, 45.4],
-                   [46.0, 47.0, 45.9, 47.9, 46.2, 46.1], [46.7, 47.8, 46.5, 48.6, 46.9, 46.8], at="@128")
-    s = D.scaling(runs, at="@128")
-    assert s.variants == ["plain, 1 GPU", "plain, 2 GPUs at once (no communication)", "DDP, 1 GPU", "DDP, 2 GPUs"]
-    v = s.verdict()
-    assert v.variant == "DDP, 2 GPUs" and v.outcome == "faster"
-    assert v.speedup == pytest.approx(2 * 45.2 / 46.7, rel=0.01)
-    assert s.time_s("DDP, 2 GPUs") == pytest.approx(s.time_s("plain, 1 GPU") / v.speedup), "one number per variant"
-    assert s.time_s("DDP, 2 GPUs") == pytest.approx(46.85e-3 / 2, rel=1e-3), "per batch of one GPU: about the step / 2"
-    assert s.rate("plain, 1 GPU") == pytest.approx(4 * 32 / 45.35e-3, rel=1e-6), "tokens/s"
-    assert s.verdict("DDP, 1 GPU").outcome == "same", "DDP's own work on one GPU: 2%, within the resolution"
-    assert "processes" in D.scaling(runs, at="@128", unit="process").variants[1]
-    with pytest.raises(ValueError, match="one rank and on n"):
-        D.scaling({**runs, "ddp@128": _variant([1.0] * 6, ranks=1)}, at="@128")
+    # a drifting clock: every variant's step moves with it, round by round
+    drift = [0.0, 1.0, -0.2, 1.8, 0.2, 0.1]
+    runs = _ladder([45.2 + d for d in drift], {"ddp:1": [46.0 + d for d in drift], "ddp:2": [46.7 + d for d in drift],
+                                               "ddp:4": [48.0 + d for d in drift], "fsdp:2": [52.0 + d for d in drift],
+                                               "fsdp:4": [55.0 + d for d in drift]})
+    s = D.scaling(runs, [1, 2, 4])
+    assert s.variants == ["plain, 1 GPU", "DDP, 1 GPU", "DDP, 2 GPUs", "DDP, 4 GPUs", "FSDP2, 2 GPUs", "FSDP2, 4 GPUs"]
+    v = s.verdict("DDP, 4 GPUs")
+    assert v.outcome == "faster" and v.speedup == pytest.approx(4 * 45.2 / 48.0, rel=0.01)
+    assert s.time_s("DDP, 4 GPUs") == pytest.approx(s.time_s("plain, 1 GPU") / v.speedup), "one number per variant"
+    assert s.rate("plain, 1 GPU") == pytest.approx(4 * 32 / 45.3e-3, rel=0.01), "tokens/s"
+    assert D.efficiency(s, "DDP", 4).startswith(f"{v.speedup:.2f}× one GPU's tokens/s") and "efficiency 94%" in \
+        D.efficiency(s, "DDP", 4)
+    assert D.scaling(runs, [1, 2], kinds={"ddp": "DDP"}).variants == ["plain, 1 GPU", "DDP, 1 GPU", "DDP, 2 GPUs"]
+    assert D.scaling(runs, [1, 2], unit="process").variants[2] == "DDP, 2 processes"
+    with pytest.raises(ValueError, match="ran on"):
+        D.scaling({**runs, "ddp:2": _variant([1.0] * 6, ranks=1)}, [1, 2])
     with pytest.raises(KeyError):
-        D.scaling(runs)  # no variants without a batch suffix
+        D.scaling({"plain:1": runs["plain:1"]}, [1, 2])
+    fig = D.scaling_figure(s, [1, 2, 4], title="t")
+    assert [line.get_label() for line in fig.axes[0].get_lines()] == ["ideal (n×)", "DDP", "FSDP2"]
 
 
-def test_efficiency_difference_pairs_the_rounds_of_both_batches():
-    big = D.scaling(_launch([45.0] * 4 + [44.0, 46.0], [45.0] * 6, [46.0] * 6, [47.0, 46.9, 47.1, 47.0, 45.9, 48.1]))
-    # at the small batch, one GPU's step swings from round to round, and DDP's with it
-    small = D.scaling(_launch([18.0, 16.0, 19.0, 17.0, 18.5, 16.5], [18.0] * 6, [19.0] * 6,
-                              [22.0, 19.6, 23.2, 20.7, 22.6, 20.1]))
-    v = D.efficiency_difference(big, small, names=("at 128", "at 32"))
-    assert v.outcome == "faster" and str(v).startswith("at 128 vs at 32: ") and v.speedup > 1.05
-    assert D.efficiency_difference(small, big).outcome == "slower"
-    assert D.efficiency_difference(big, big).outcome == "same"
-    noisy = D.scaling(_launch([18.0] * 6, [18.0] * 6, [19.0] * 6, [15.0, 25.0, 16.0, 24.0, 17.0, 23.0]))
-    assert D.efficiency_difference(big, noisy).outcome == "inconclusive"
+def test_shortfall_splits_the_efficiency_into_ddps_own_work_and_the_step_growth():
+    # the H100 review: at 32 per GPU DDP's own host work on one GPU cost more than the second GPU brought
+    runs = _ladder([20.0, 20.4, 19.8, 20.2, 20.1, 19.9], {"ddp:1": [26.0, 26.5, 25.8, 26.3, 26.1, 25.9],
+                                                          "ddp:2": [26.2, 26.6, 26.0, 26.4, 26.2, 26.1]})
+    text = D.shortfall(runs, 2)
+    assert text.startswith("DDP's own work (DDP against the plain model on one GPU): the step 1.30× as long")
+    assert "from one GPU to 2: no change beyond ±3%" in text, "the second GPU costs nothing: the loss is DDP's own"
+    # the step grows from 1 to 2 GPUs: named with what moved in the profiles
+    grows = _ladder([20.0] * 6, {"ddp:1": [20.2, 20.1, 20.3, 20.2, 20.2, 20.1],
+                                 "ddp:2": [24.2, 24.1, 24.3, 24.2, 24.2, 24.1]})
+    parts = {"ddp:1": D.StepParts(20.2e-3, 19e-3, 0.0, 1.2e-3, on_gpu=True),
+             "ddp:2": D.StepParts(24.2e-3, 19.2e-3, 3.8e-3, 1.2e-3, on_gpu=True)}
+    text = D.shortfall(grows, 2, parts=parts)
+    assert "own work (DDP against the plain model on one GPU): no change beyond ±3%" in text
+    assert "from one GPU to 2: the step 1.20× as long (" in text and "mostly communication not hidden" in text
+
+
+def test_fsdp_against_ddp_gives_the_verdict_and_the_peaks():
+    runs = _ladder([10.0] * 6, {"ddp:2": [10.0, 10.1, 9.9, 10.0, 10.2, 10.0], "fsdp:2": [12.0, 12.1, 11.9, 12.0,
+                                                                                        12.2, 12.0]})
+    verdict, ratio, text = D.fsdp_against_ddp(runs, 2)
+    assert verdict.outcome == "slower" and ratio is None and "measured on GPUs only" in text
+    runs["ddp:2"]["peak_bytes"], runs["fsdp:2"]["peak_bytes"] = 4 * 2**30, 3 * 2**30
+    verdict, ratio, text = D.fsdp_against_ddp(runs, 2)
+    assert ratio == 0.75 and text.endswith("3.00 GiB against 4.00 GiB (0.75×)") and text.startswith("FSDP2, 2 GPUs vs")
+
+
+def test_checkpoint_rows_and_placement():
+    saved = {"ranks": 2, "losses": [6.3, 6.2, 6.1, 6.0]}
+    resumed = {"two nodes": [{"resume": {"ranks": 4, "losses": [6.1, 6.0000004]}}],
+               "one node": [{"resume": {"ranks": 4, "losses": [6.1000002, 6.0]}}] * 2}
+    rows, worst = D.checkpoint_rows(saved, resumed)
+    assert worst == pytest.approx(4e-7, rel=1e-3) and len(rows) == 4
+    assert rows[0]["step 3"] == "6.100000" and rows[1]["run"] == "resumed on 4, two nodes"
+    assert rows[3]["run"] == "resumed on 4, one node (launch 2)"
+    placement = [{"rank": r, "node": r // 2, "local_rank": r % 2, "gpu": str(r)} for r in (3, 0, 1, 2)]
+    assert D.placement_text(placement) == "node 0: ranks 0, 1 on GPUs 0, 1 · node 1: ranks 2, 3 on GPUs 2, 3"
+    assert D.placement_text([{"rank": 0, "node": 0, "local_rank": 0, "gpu": "cpu"}]) == "node 0: rank 0 on the CPU"
 
 
 def test_step_verdict_gives_the_reason_of_the_outcome_it_has():
@@ -462,6 +552,49 @@ def test_link_between_and_its_spec():
     assert D.link_spec_gbps("SYS", (8, 9))[0] is None and D.link_spec_gbps(None, (9, 0))[0] is None
 
 
+TOPOLOGY_4 = """\
+\tGPU0\tGPU1\tGPU2\tGPU3\tCPU Affinity
+GPU0\t X \tNV18\tNV18\tNV18\t0-63
+GPU1\tNV18\t X \tNV18\tNV18\t0-63
+GPU2\tNV18\tNV18\t X \tNV18\t0-63
+GPU3\tNV18\tNV18\tNV18\t X \t0-63
+"""
+
+
+def test_ring_link_spec_is_the_slowest_link_among_the_gpus():
+    assert D.ring_link_spec(TOPOLOGY, 2, (9, 0)) == (450.0, "GPU0 ↔ GPU1: NV18 — 18 NVLinks × 25 GB/s per direction")
+    spec, what = D.ring_link_spec(TOPOLOGY_4, 4, (9, 0))
+    assert spec == 450.0 and what.startswith("every pair of GPUs 0–3: NV18")
+    mixed = TOPOLOGY_4.replace("GPU2\tNV18\tNV18", "GPU2\tNV18\tPIX").replace("GPU1\tNV18\t X \tNV18",
+                                                                              "GPU1\tNV18\t X \tPIX")
+    assert D.ring_link_spec(mixed, 4, (9, 0), 63.0) == (63.0, "slowest pair GPU1 ↔ GPU2: PIX — PCIe, through at most "
+                                                              "one PCIe bridge; bounded by each GPU's PCIe link, "
+                                                              "63.0 GB/s per direction")
+    spec, what = D.ring_link_spec(mixed, 4, (9, 0))
+    assert spec is None and what.startswith("GPU1 ↔ GPU2: PIX"), "a link of unknown rate: no spec, and which"
+    assert D.ring_link_spec(None, 4, (9, 0))[0] is None and D.ring_link_spec(TOPOLOGY, 1, (9, 0))[0] is None
+
+
+def test_allreduce_rows_and_figure_show_both_bandwidths():
+    def sweep(n, bus):
+        factor = D.allreduce_bus_factor(n)
+        return {"ranks": n, "rows": [{"bytes": b, "alg_gbps": g / factor, "bus_gbps": g, "timing": D.timing_to_dict(
+            Timing("x", b / (g / factor) / 1e9, 0.0, (b / (g / factor) / 1e9,) * 2, 1, "cuda:0"))}
+            for b, g in ((1 << 20, bus / 4), (1 << 30, bus))]}
+
+    sweeps = [sweep(2, 360.0), sweep(4, 330.0)]
+    rows = D.allreduce_rows(sweeps, 450.0)
+    assert [r["GPUs"] for r in rows] == [2, 4] and rows[1]["bus / algorithm"] == "1.5"
+    assert rows[1]["bus GB/s"] == "330" and rows[1]["algorithm GB/s"] == "220" and rows[1]["% of link spec"] == "73%"
+    assert D.allreduce_rows(sweeps)[0]["% of link spec"] == "—"
+    fig = D.allreduce_figure(sweeps, spec_gbps=450.0, title="t")
+    lines = {line.get_label(): line for line in fig.axes[0].get_lines()}
+    assert lines["bus, 4 ranks"].get_linestyle() == "-" and lines["algorithm, 4 ranks"].get_linestyle() == "--"
+    assert lines["bus, 4 ranks"].get_color() == lines["algorithm, 4 ranks"].get_color() != lines["bus, 2 ranks"] \
+        .get_color()
+    assert "link spec (450 GB/s)" in lines
+
+
 def test_gpu_topology_is_plain_text(monkeypatch):
     monkeypatch.setattr(D.shutil, "which", lambda name: "/usr/bin/nvidia-smi")
     monkeypatch.setattr(D.subprocess, "run", lambda *a, **k: SimpleNamespace(stdout=TOPOLOGY, returncode=0))
@@ -514,16 +647,17 @@ SCRIPT_TIMEOUT_S = 240
 def test_allreduce_script_checks_and_times(capsys):
     run = D.launch("allreduce_bench.py", 2, timeout_s=SCRIPT_TIMEOUT_S,
                    args=[*CPU, "--min-bytes", 1024, "--max-bytes", 65536, "--min-run-s", 0.02])
-    assert any("✅ all_reduce(SUM)" in line for line in run.lines)
+    assert any("✅ all_reduce(SUM) over 2 ranks" in line for line in run.lines)
     assert "✅ all_reduce(SUM)" in capsys.readouterr().out, "the output is streamed"
+    assert [s["ranks"] for s in run.result["sweeps"]] == [2], "2, 4, … up to the world size"
     rows = run.result["rows"]
-    assert [r["bytes"] for r in rows] == [1024, 4096, 16384, 65536]
+    assert rows == run.result["sweeps"][-1]["rows"] and [r["bytes"] for r in rows] == [1024, 4096, 16384, 65536]
     assert all(r["bus_gbps"] == r["alg_gbps"] > 0 for r in rows)  # 2 ranks: bus = algorithm bandwidth
 
 
 def test_ddp_script_equals_one_process_and_no_sync_accumulates():
     run = D.launch("ddp_train.py", 2, timeout_s=SCRIPT_TIMEOUT_S, echo=False,
-                   args=[*CPU, "--check", "--variants", "ddp,accum_no_sync,plain@2,ddp@2:1", "--min-run-s", 0.05,
+                   args=[*CPU, "--check", "--variants", "ddp,accum_no_sync,plain@2,ddp@2:1,fsdp:2", "--min-run-s", 0.05,
                          "--rounds", 2, "--profile", "ddp,ddp@2:1"])
     check = run.result["check"]
     assert check["grad_err"] < 1e-4 and check["weight_err"] < 1e-4
@@ -532,17 +666,28 @@ def test_ddp_script_equals_one_process_and_no_sync_accumulates():
     # counted after a first step: the whole gradient once with no_sync, once per micro-batch without
     assert skip["allreduce_bytes"] == check["grad_bytes"] and sync["allreduce_bytes"] == 2 * check["grad_bytes"]
     variants = run.result["variants"]
-    assert set(variants) == {"ddp", "accum_no_sync", "plain@2", "ddp@2:1"}
+    assert set(variants) == {"ddp", "accum_no_sync", "plain@2", "ddp@2:1", "fsdp:2"}
     assert variants["plain@2"]["batch"] == 2 and variants["ddp"]["batch"] == 4
-    assert [variants[v]["ranks"] for v in ("ddp", "ddp@2:1")] == [2, 1], "':1': the first rank alone"
+    assert [variants[v]["ranks"] for v in ("ddp", "ddp@2:1", "fsdp:2")] == [2, 1, 2], "':1': the first rank alone"
     assert variants["ddp@2:1"]["tokens_per_rank"] == 2 * run.result["seq"]
     assert len(variants["ddp"]["timing"]["block_times_s"]) == 2, "one block per round"
     assert variants["ddp"]["profile"]["compute_s"] > 0 and variants["accum_no_sync"]["profile"] is None
     assert variants["ddp@2:1"]["profile"]["compute_s"] > 0, "rank 0 profiled DDP in its group of one"
     grad = run.result["grad_bytes"]
-    assert [variants[v]["allreduce_bytes"] for v in ("ddp", "accum_no_sync", "plain@2", "ddp@2:1")] == [grad, grad,
-                                                                                                         0, 0]
+    assert [variants[v]["allreduce_bytes"] for v in ("ddp", "accum_no_sync", "plain@2", "ddp@2:1", "fsdp:2")] == [
+        grad, grad, 0, 0, 0]
     assert D.compared(variants, ["ddp@2:1", "ddp"]).rounds == 2
+    assert run.result["amp"] == "fp32", "a CPU trains every variant in fp32"
+
+
+def test_fsdp_on_fewer_ranks_than_the_launch():
+    """fsdp:2 of a 3-process launch: FSDP2 over a device mesh of the first two ranks while the third idles."""
+    run = D.launch("ddp_train.py", 3, timeout_s=SCRIPT_TIMEOUT_S, echo=False,
+                   args=[*CPU, "--variants", "plain:1,fsdp:2,ddp:3", "--min-run-s", 0.05, "--rounds", 2,
+                         "--profile", ""])
+    assert [run.result["variants"][v]["ranks"] for v in ("plain:1", "fsdp:2", "ddp:3")] == [1, 2, 3]
+    assert D.scaling(run.result["variants"], [1, 2, 3], unit="process").variants == [
+        "plain, 1 process", "DDP, 3 processes", "FSDP2, 2 processes"]
 
 
 @pytest.mark.parametrize("variants", ["ddp,no_such_thing", "ddp:2", "ddp:x"])
@@ -551,18 +696,46 @@ def test_ddp_script_rejects_unknown_variants(variants):
         D.launch("ddp_train.py", 1, timeout_s=SCRIPT_TIMEOUT_S, echo=False, args=[*CPU, "--variants", variants])
 
 
-def test_fsdp_script_shards_and_resumes_from_a_checkpoint(tmp_path):
+def test_fsdp_script_measures_memory_against_ddp(tmp_path):
     """With --bf16: the GPUs' code path (DDP under bf16 autocast, FSDP2 with a bf16 MixedPrecisionPolicy)."""
     run = D.launch("fsdp_train.py", 2, timeout_s=SCRIPT_TIMEOUT_S, echo=False,
-                   args=[*CPU, "--checkpoint-dir", tmp_path / "ckpt", "--min-run-s", 0.05, "--bf16"])
+                   args=[*CPU, "--phases", "memory,too_big", "--min-run-s", 0.05, "--bf16"])
     mem = run.result["memory"]
     assert mem["fsdp"]["state_bytes"]["total"] <= 0.55 * mem["ddp"]["state_bytes"]["total"]
     assert D.compared(mem, {"DDP": "ddp", "FSDP2": "fsdp"}).rounds == mem["rounds"] == 4, "alternating rounds"
     assert mem["parameters"] > 0 and all(mem[k]["profile"]["compute_s"] > 0 for k in ("ddp", "fsdp"))
-    ckpt = run.result["checkpoint"]
-    torch.testing.assert_close(ckpt["resumed"], ckpt["uninterrupted"], rtol=1e-5, atol=1e-6)
-    assert any(name == ".metadata" for name, _ in ckpt["files"]) and len(ckpt["files"]) >= 3
     assert run.result["too_big"] is None  # GPU only
+
+
+def test_a_checkpoint_saved_on_one_rank_resumes_on_two_nodes(tmp_path):
+    """Resharding: saved by 1 process, loaded by 2 launched as two torchrun agents at a c10d rendezvous; the losses
+    of steps 3-4 are the saving run's."""
+    common = [*CPU, "--checkpoint-dir", tmp_path / "ckpt", "--global-batch", 4]
+    saved = D.launch("fsdp_train.py", 1, timeout_s=SCRIPT_TIMEOUT_S, echo=False,
+                     args=[*common, "--phases", "save"]).result["save"]
+    assert saved["ranks"] == 1 and len(saved["losses"]) == 4
+    assert any(name == ".metadata" for name, _ in saved["files"]) and len(saved["files"]) == 2, "one shard file"
+    run = D.launch_nodes("fsdp_train.py", [1, 1], timeout_s=SCRIPT_TIMEOUT_S,
+                         args=[*common, "--phases", "resume", "--time-batch", 2, "--min-run-s", 0.05])
+    assert any(line.startswith("[node ") and "losses of steps 3–4" in line for line in run.lines)
+    resumed = run.result["resume"]
+    assert resumed["ranks"] == 2
+    torch.testing.assert_close(resumed["losses"], saved["losses"][2:], rtol=1e-5, atol=1e-6)
+    assert sorted(p["node"] for p in run.result["placement"]) == [0, 1], "one rank on each node"
+    assert run.result["timed"]["timing"]["median_s"] > 0 and run.result["timed"]["amp"] == "fp32"
+
+
+def test_launch_nodes_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="2 or more nodes"):
+        D.launch_nodes("fsdp_train.py", [2])
+    with pytest.raises(ValueError, match="2 or more nodes"):
+        D.launch_nodes("fsdp_train.py", [1, 1], devices=["0"])
+
+
+def test_timeout_demo_names_the_timeout():
+    text = D.timeout_demo("cpu", 2, collective_timeout_s=2, deadline_s=60)
+    assert text.startswith("the launch failed ") and "after rank 0 called the all-reduce" in text
+    assert "imed out" in text or "imeout" in text
 
 
 def test_a_mismatched_collective_fails_with_the_timeout_instead_of_hanging():
@@ -612,16 +785,19 @@ def test_topology_of_this_machine_names_the_link():
 
 
 @needs_two_gpus
-def test_allreduce_script_on_two_gpus():
-    run = D.launch("allreduce_bench.py", 2, timeout_s=180, echo=False,
+def test_allreduce_script_on_every_gpu():
+    gpus = torch.cuda.device_count()
+    run = D.launch("allreduce_bench.py", gpus, timeout_s=180, echo=False,
                    args=["--device", "cuda", "--timeout-s", 60, "--max-bytes", 1 << 26, "--min-run-s", 0.05])
     assert run.result["backend"] == "nccl" and run.result["rows"][-1]["bus_gbps"] > 1.0
+    assert [s["ranks"] for s in run.result["sweeps"]] == [n for n in D.gpu_counts(gpus) if n > 1]
 
 
 @needs_two_gpus
 def test_ddp_script_on_two_gpus():
     run = D.launch("ddp_train.py", 2, timeout_s=300, echo=False,
-                   args=["--device", "cuda", "--timeout-s", 60, "--check", "--variants", "ddp,bucket_1mb,ddp:1,plain:1",
+                   args=["--device", "cuda", "--timeout-s", 60, "--check", "--variants",
+                         "ddp,bucket_1mb,ddp:1,plain:1,fsdp:2",
                          "--min-run-s", 0.2, "--rounds", 2, "--profile-trace", "/tmp/course_ddp_trace.json"])
     assert run.result["check"]["grad_err"] < 1e-4 and run.result["backend"] == "nccl"
     alone = run.result["variants"]["ddp:1"]  # DDP in an NCCL group of rank 0 alone, GPU 1 idle meanwhile
@@ -634,11 +810,22 @@ def test_ddp_script_on_two_gpus():
 @needs_two_gpus
 def test_fsdp_script_on_two_gpus(tmp_path):
     run = D.launch("fsdp_train.py", 2, timeout_s=400, echo=False,
-                   args=["--device", "cuda", "--timeout-s", 60, "--checkpoint-dir", tmp_path / "ckpt"])
+                   args=["--device", "cuda", "--timeout-s", 60, "--phases", "memory,too_big"])
     mem, too_big = run.result["memory"], run.result["too_big"]
     assert mem["fsdp"]["peak_bytes"] < mem["ddp"]["peak_bytes"]
-    assert "with DDP and" in D.peak_beyond_state(mem["ddp"], mem["fsdp"]), "notebook 10's sentence from real peaks"
+    assert "with DDP and" in D.peak_beyond_state(mem["ddp"], mem["fsdp"]), "the sentence from real peaks"
     assert too_big["one_gpu"].startswith("out of memory") and too_big["fsdp_peak_bytes"] <= too_big["budget_bytes"]
+
+
+@needs_two_gpus
+def test_checkpoint_saved_on_one_gpu_resumes_on_two_nodes_of_one_gpu(tmp_path):
+    common = ["--device", "cuda", "--timeout-s", 60, "--checkpoint-dir", tmp_path / "ckpt", "--global-batch", 4]
+    saved = D.launch("fsdp_train.py", 1, timeout_s=300, echo=False, args=[*common, "--phases", "save"]).result
+    run = D.launch_nodes("fsdp_train.py", [1, 1], devices=D.split_devices(2, 2, os.environ.get("CUDA_VISIBLE_DEVICES")),
+                         timeout_s=300, echo=False, args=[*common, "--phases", "resume", "--time-batch", 4])
+    torch.testing.assert_close(run.result["resume"]["losses"], saved["save"]["losses"][2:], rtol=1e-4, atol=1e-5)
+    assert sorted(p["gpu"] for p in run.result["placement"]) == sorted(D.split_devices(2, 2, os.environ.get(
+        "CUDA_VISIBLE_DEVICES"))), "each node on its own GPU"
 
 
 @needs_two_gpus

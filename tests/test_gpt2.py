@@ -300,6 +300,34 @@ def test_static_decoder_graph_replays_equal_recomputation(compile_step):
     assert decoder.graph is not None
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_static_decoder_with_its_prefill_in_a_graph_equals_recomputation():
+    """graph_prefill: one graph per prompt length, captured on the first prompt of that length, replayed after."""
+    config = gpt2.GPT2Config.tiny()
+    torch.manual_seed(0)
+    model = gpt2.GPT2(config).cuda().eval()
+    gen = torch.Generator("cuda").manual_seed(9)
+    decoder = gpt2.StaticDecoder(model, batch=1, max_len=64, graph_prefill=True)
+    for length in (5, 9, 5):  # a second length gets its own graph; the first length's graph is replayed
+        idx = torch.randint(0, config.vocab_size, (1, length), device="cuda", generator=gen)
+        assert torch.equal(decoder.generate(idx, 12), gpt2.generate_recompute(model, idx, 12)), length
+    assert sorted(decoder.prefill_graphs) == [5, 9]
+    decoder.rewind()
+    decoder.decode(12)
+    assert torch.equal(decoder.out[:, :17], gpt2.generate_recompute(model, idx, 12))
+
+
+def test_graph_prefill_is_ignored_on_a_cpu():
+    config = gpt2.GPT2Config.tiny()
+    torch.manual_seed(0)
+    model = gpt2.GPT2(config).eval()
+    idx = torch.randint(0, config.vocab_size, (1, 6), generator=torch.Generator().manual_seed(2))
+    decoder = gpt2.StaticDecoder(model, batch=1, max_len=32, graph_prefill=True)
+    assert not decoder.graph_prefill
+    assert torch.equal(decoder.generate(idx, 8), gpt2.generate_recompute(model, idx, 8))
+    assert decoder.prefill_graphs == {}
+
+
 def test_reference_pair_offline_shares_weights():
     ours, hf, tokenizer, note = gpt2.reference_pair(gpt2.GPT2Config.tiny(), online=False)
     assert tokenizer is None and "random weights" in note

@@ -219,3 +219,64 @@ def test_loader_timing_feeds_pinned_batches_to_the_gpu(tmp_path, jpegs):
                               device="cuda")
     assert timing.median_s > 0 and moved and all(s == (4, 3, 32, 32) for s in moved)
     assert not multiprocessing.active_children(), "the worker processes should have ended"
+
+
+# ── CPU use, workers that fit, the loader sweep's reading ─────────────────────────────────────────────────────
+
+
+def test_cpu_use_reads_busy_cores_and_the_main_process(tmp_path):
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  1 1 1 1 1 1 1 1\ncpu0 100 0 0 100 0 0 0 0\ncpu1 100 0 0 100 0 0 0 0\n")
+
+    def work():  # between the two reads cpu0 is busy all the time, cpu1 half of it
+        stat.write_text("cpu0 200 0 0 100 0 0 0 0\ncpu1 150 0 0 150 0 0 0 0\n")
+        return 7
+
+    result, use = ip.cpu_use(work, cpus=[0, 1], stat_path=stat)
+    assert result == 7 and use.cores == 2 and use.busy_cores == pytest.approx(1.5)
+    assert use.main_cores >= 0 and "1.5 of 2 busy" in str(use)
+    _, unknown = ip.cpu_use(lambda: None, cpus=[0], stat_path=tmp_path / "missing")
+    assert unknown.busy_cores is None and "not measurable" in str(unknown)
+
+
+def test_workers_that_fit_in_shared_memory():
+    batch_bytes = 2 * 64 * 3 * 224 * 224  # two batches in flight per worker
+    assert ip.workers_that_fit(16, 64, 224, shm_free=None) == 16
+    assert ip.workers_that_fit(16, 64, 224, shm_free=2 * 3 * batch_bytes) == 3
+    assert ip.workers_that_fit(16, 64, 224, shm_free=0) == 1  # never fewer than one
+
+
+def _sweep(rates, use):
+    from utils.bench import Timing
+
+    timings = {n: Timing(f"{n}", 1 / r, 0.01 / r, (1.02 / r, 1 / r, 0.98 / r), 1, "cpu") for n, r in rates.items()}
+    return ip.LoaderSweep(timings, use, batch_size=64)
+
+
+def test_loader_sweep_names_the_measured_reason():
+    rates = {1: 500.0, 2: 990.0, 4: 1200.0}
+    busy = _sweep(rates, {n: ip.CpuUse(4, 3.9, 0.5) for n in rates})
+    assert busy.per_worker == 500 and busy.best == 4 and busy.efficiency(2) == pytest.approx(0.99)
+    assert busy.why_short(2).endswith("they scale")
+    assert "the CPUs were busy (3.9 of 4 cores" in busy.why_short(4)
+    main = _sweep(rates, {n: ip.CpuUse(16, 5.0, 0.97) for n in rates})
+    assert "the main process was busy 97%" in main.why_short(4)
+    neither = _sweep(rates, {n: ip.CpuUse(16, 5.0, 0.4) for n in rates})
+    assert "is not measured here" in neither.why_short(4)
+    assert [r["CPUs busy"] for r in neither.rows()] == ["5.0 of 16"] * 3
+
+
+def test_loader_sweep_says_whether_it_keeps_up():
+    rates = {1: 500.0, 2: 990.0, 4: 1200.0}
+    sweep = _sweep(rates, {n: ip.CpuUse(16, 5.0, 0.4) for n in rates})
+    assert "2 workers keep up with it, beyond the loader's noise" in sweep.summary(900)
+    assert sweep.enough(900) == 2 and sweep.enough(5000) == 4
+    assert "it trains 4.17× what the loader supplies" in sweep.summary(5000)
+    with pytest.raises(ValueError):
+        ip.loader_sweep(torch.utils.data.TensorDataset(torch.arange(4)), [], batch_size=1)
+
+
+def test_loader_sweep_times_every_count_with_its_cpu_use():
+    sweep = ip.loader_sweep(torch.utils.data.TensorDataset(torch.arange(8)), [1], batch_size=2, min_run_time=0.05,
+                            device="cpu")
+    assert sweep.counts == [1] and sweep.rate(1) > 0 and sweep.use[1].cores >= 1

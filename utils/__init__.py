@@ -33,6 +33,10 @@
   it loads torchvision's codecs, which the other notebooks do not need)
 - ``isolate`` steps that may crash or hang run in child processes with deadlines; crash traces and per-section
   timing for the rest of a run (``import utils.isolate``: notebook 08's prototype steps)
+- ``inference`` what notebooks 08 and 08b measure around serving GPT-2: child deadlines by cores, the AOTInductor
+  gate and report, the Hugging Face child's comparison, the batch sweep (``import utils.inference``)
+- ``benchmarks`` the guide's benchmark table (notebooks 09 and 09b): its rows, checks against fp32, the compile row,
+  attention in a compiled graph, cross-checks between notebooks (``import utils.benchmarks``)
 """
 
 from utils import (

@@ -4,32 +4,40 @@ PyTorch runs data-parallel training as one process per GPU, started by ``torchru
 torch.distributed.run``), which gives every process its ``RANK``, ``LOCAL_RANK`` and ``WORLD_SIZE``. A notebook
 cannot be that process, so notebook 10 keeps its training scripts in ``scripts/`` and launches them:
 
-    run = utils.distributed.launch("ddp_train.py", nproc=2, args=["--device", "cuda"], timeout_s=300)
+    plan = utils.distributed.plan(device)   # every GPU with NCCL; one GPU or none: gloo processes on the CPU
+    run = utils.distributed.launch("ddp_train.py", plan.nproc, args=["--device", plan.device], timeout_s=300)
     run.result            # the JSON the script's rank 0 wrote with write_result()
 
 :func:`launch` streams the processes' output into the notebook line by line, kills the whole process group when
 the deadline passes (and says so), and raises :class:`LaunchError` with the line that says what went wrong when a
-process fails. The child processes get the notebook's environment unchanged — in particular the variables in
-:data:`PASSED_THROUGH`, which keep NVLink multicast switched off on machines that require it — plus only
-``OMP_NUM_THREADS`` (if unset), ``PYTHONUNBUFFERED`` and, when asked, ``NCCL_DEBUG``.
+process fails. :func:`launch_nodes` starts one ``torchrun`` agent per node, as on several machines, meeting at a
+c10d rendezvous on localhost, each agent with its own GPUs (:func:`split_devices`); :func:`machine_commands` is
+what a reader types on real machines. The child processes get the notebook's environment, with NVLink multicast
+switched off where it says nothing about it (:data:`MULTICAST_OFF`), plus only ``OMP_NUM_THREADS`` (if unset),
+``PYTHONUNBUFFERED`` and, when asked, ``NCCL_DEBUG``. :func:`timeout_demo` shows a collective's timeout ending a run
+that one rank never joins.
 
 Inside a script: :func:`setup` reads the ranks, pins the process to its GPU (``torch.cuda.set_device``), and
 joins the process group — NCCL on GPUs, gloo on a CPU — with a short ``timeout``, so that a collective that one
 rank never reaches fails with an error instead of hanging; :func:`teardown` leaves it. :func:`collective_bench`
 times one thing that contains collectives (every rank must make the same number of calls, which
 ``utils.bench.bench`` does not guarantee), :func:`interleaved_bench` times several variants of a step in alternating
-rounds, and :func:`write_result` hands rank 0's numbers back to the notebook.
+rounds (a variant may run on the first k ranks while the others idle), and :func:`write_result` hands rank 0's
+numbers back to the notebook.
 
 Back in the notebook, what a launch timed in the same rounds becomes one ``utils.bench.Comparison``
 (:func:`compared`, built with ``Comparison.from_rounds``): one number and one verdict per variant, as everywhere in
-the course. :func:`scaling` puts DDP's throughput on several GPUs against one GPU's, from variants of the same
-rounds, and :func:`step_verdict` gives a verdict the reason measured in the profiles (:func:`step_parts`,
-:func:`step_difference`).
+the course. :func:`scaling` puts DDP's and FSDP2's throughput on 1, 2, …, N GPUs (:func:`gpu_counts`) against one
+GPU's; :func:`efficiency` reads it, :func:`shortfall` splits the efficiency into DDP's own work and the step's growth
+from one GPU to n, each with its verdict, and :func:`step_verdict` gives a verdict the reason measured in the
+profiles (:func:`step_parts`, :func:`step_difference`). :func:`fsdp_against_ddp` compares the two wrappers' steps
+and peaks; :func:`checkpoint_rows` the losses of a checkpoint resumed on another number of GPUs.
 
 Also here: bus bandwidth of an all-reduce and what the benchmark's rows say (:func:`bus_rate`,
-:func:`allreduce_time_s`, :func:`per_call_floor`), the communication/computation overlap in a profile, the bytes
-of model state a rank holds, the link between two GPUs as ``nvidia-smi topo -m`` reports it with its specified rate,
-and :class:`NcclDigest`, which keeps the few telling lines of ``NCCL_DEBUG=INFO`` output.
+:func:`allreduce_rows`, :func:`allreduce_figure`, :func:`allreduce_time_s`, :func:`per_call_floor`), the
+communication/computation overlap in a profile, the bytes of model state a rank holds, the links between GPUs as
+``nvidia-smi topo -m`` reports them with their specified rates (:func:`ring_link_spec`), and :class:`NcclDigest`,
+which keeps the few telling lines of ``NCCL_DEBUG=INFO`` output.
 """
 
 from __future__ import annotations
@@ -61,7 +69,7 @@ from typing import Any
 
 import torch
 
-from utils.bench import Comparison, Rate, Timing, Verdict, Work, verdict_from_ratios
+from utils.bench import Comparison, Rate, Timing, Verdict, Work
 from utils.bench import format_seconds as fmt
 from utils.profile import assert_not_profiled
 
@@ -69,10 +77,12 @@ ROOT = Path(__file__).resolve().parents[1]
 #: Where the course's distributed training scripts live.
 SCRIPTS_DIR = ROOT / "scripts"
 
-#: Environment variables that launch() passes to every process exactly as the notebook has them, never set or
-#: changed: on shared multi-GPU machines they switch NVLink multicast (NVLS) off, whose use can take GPUs out of
-#: service. The course never uses symmetric memory or multicast objects either.
-PASSED_THROUGH = ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS")
+#: NVLink multicast (NVLS) and symmetric-memory multicast, switched off in every launched process: on shared
+#: multi-GPU machines their use can take GPUs out of service, and the course never needs them. launch() sets each to
+#: this value where the notebook's environment has none, and passes a value the notebook has set unchanged.
+MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+#: The variables of :data:`MULTICAST_OFF`: ``extra_env`` may never set them (they are the machine's to set).
+PASSED_THROUGH = tuple(MULTICAST_OFF)
 
 #: Extra environment for a run that is meant to fail on a collective's timeout (notebook 10's demonstration and its
 #: test). When a collective fails, NCCL's watchdog signals every rank to dump its flight recorder and then sleeps
@@ -119,10 +129,11 @@ class LaunchResult:
 
 def child_env(nproc: int, *, nccl_debug: str | None = None, extra: dict[str, str] | None = None,
               parent: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment of the launched processes: the parent's (default ``os.environ``), unchanged, plus
-    ``OMP_NUM_THREADS`` (CPU threads per process, only if the parent has none: this machine's cores shared among
-    the ``nproc`` processes), ``PYTHONUNBUFFERED=1`` (lines arrive as they are printed) and ``NCCL_DEBUG`` when
-    asked (``"INFO"`` prints how NCCL connects the GPUs; ``"WARN"`` only problems).
+    """The environment of the launched processes: the parent's (default ``os.environ``), plus
+    :data:`MULTICAST_OFF` where the parent does not set those variables, ``OMP_NUM_THREADS`` (CPU threads per
+    process, only if the parent has none: this machine's cores shared among the ``nproc`` processes),
+    ``PYTHONUNBUFFERED=1`` (lines arrive as they are printed) and ``NCCL_DEBUG`` when asked (``"INFO"`` prints how
+    NCCL connects the GPUs; ``"WARN"`` only problems).
 
     Raises:
         ValueError: if ``extra`` would set one of :data:`PASSED_THROUGH` (they are the machine's to set).
@@ -132,6 +143,8 @@ def child_env(nproc: int, *, nccl_debug: str | None = None, extra: dict[str, str
         if name in PASSED_THROUGH:
             raise ValueError(f"{name} is passed through from the parent environment unchanged; launch() never sets "
                              "it")
+    for name, value in MULTICAST_OFF.items():
+        env.setdefault(name, value)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(nproc, 1))))
     env["PYTHONUNBUFFERED"] = "1"
     if nccl_debug is not None:
@@ -157,12 +170,67 @@ def function_source(script: str | Path, name: str) -> str:
     raise KeyError(f"{path.name} defines no function {name!r}")
 
 
-def torchrun_command(script: str | Path, nproc: int, args: Sequence[str] = ()) -> list[str]:
-    """``python -m torch.distributed.run --standalone --nproc-per-node=N script args``, with this kernel's Python
-    (the ``torchrun`` on PATH may belong to another environment). ``--standalone`` runs a single-machine
-    rendezvous on a free port, so two runs never collide."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            str(script), *map(str, args)]
+def torchrun_command(script: str | Path, nproc: int, args: Sequence[str] = (), *, nnodes: int = 1,
+                     endpoint: str | None = None, run_id: str = "course", is_host: bool | None = None,
+                     program: Sequence[str] | None = None) -> list[str]:
+    """The ``torchrun`` command line, run with this kernel's Python (``python -m torch.distributed.run``: the
+    ``torchrun`` on PATH may belong to another environment) unless ``program`` says otherwise (e.g. ``["torchrun"]``
+    for a command to show).
+
+    One node: ``--standalone --nproc-per-node=N`` (a single-machine rendezvous on a free port: two runs never
+    collide). Several (``nnodes`` > 1): ``--nnodes --nproc-per-node --rdzv-backend=c10d --rdzv-endpoint=HOST:PORT
+    --rdzv-id``, the same on every machine; the agent whose machine is ``HOST`` keeps the rendezvous
+    (``is_host`` says so explicitly: ``--rdzv-conf=is_host=1`` or ``0``). The c10d rendezvous numbers the nodes
+    itself (``GROUP_RANK``); ``--node-rank`` matters only to the static rendezvous (``--master-addr``)."""
+    head = [*(program or [sys.executable, "-m", "torch.distributed.run"])]
+    if nnodes == 1:
+        head += ["--standalone", f"--nproc-per-node={nproc}"]
+    else:
+        if endpoint is None:
+            raise ValueError("torchrun_command(): several nodes need the rendezvous endpoint HOST:PORT")
+        head += [f"--nnodes={nnodes}", f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
+                 f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}"]
+        if is_host is not None:
+            head.append(f"--rdzv-conf=is_host={int(is_host)}")
+    return [*head, str(script), *map(str, args)]
+
+
+def free_port() -> int:
+    """A TCP port on localhost that nothing listens on right now (for a rendezvous)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def split_devices(gpus: int, nodes: int = 2, visible: str | None = None) -> list[str]:
+    """``CUDA_VISIBLE_DEVICES`` of each of ``nodes`` agents that share ``gpus`` GPUs of this host, in order (the
+    first nodes get one more when they do not divide evenly): "0,1" and "2,3" for 4 GPUs. Where ``visible`` (this
+    process's own ``CUDA_VISIBLE_DEVICES``) lists GPUs, the agents share those.
+
+    Raises:
+        ValueError: for fewer GPUs than nodes.
+    """
+    ids = [v.strip() for v in visible.split(",") if v.strip()] if visible else [str(i) for i in range(gpus)]
+    ids = ids[:gpus]
+    if len(ids) < nodes or nodes < 1:
+        raise ValueError(f"split_devices(): {nodes} nodes need at least as many GPUs, got {ids}")
+    sizes = [len(ids) // nodes + (i < len(ids) % nodes) for i in range(nodes)]
+    starts = list(itertools.accumulate([0, *sizes]))
+    return [",".join(ids[a:b]) for a, b in itertools.pairwise(starts)]
+
+
+def machine_commands(script: str, nproc_per_node: int, args: Sequence[str] = (), *, nnodes: int = 2,
+                     endpoint: str = "MACHINE_A:29500", run_id: str = "my-job") -> str:
+    """What a reader types to run ``script`` on ``nnodes`` machines of ``nproc_per_node`` GPUs each: the same
+    ``torchrun`` line on every machine, with the rendezvous on machine A, and the variables that change between
+    machines (NCCL's network interface)."""
+    line = " ".join(torchrun_command(f"scripts/{script}", nproc_per_node, args, nnodes=nnodes, endpoint=endpoint,
+                                     run_id=run_id, program=["torchrun"]))
+    return (f"# on every one of the {nnodes} machines (MACHINE_A: the address of the first, reachable from the "
+            f"others):\nexport NCCL_SOCKET_IFNAME=eth0   # the network interface between the machines "
+            f"(see `ip addr`)\n{line}")
 
 
 def script_path(script: str | Path) -> Path:
@@ -255,61 +323,122 @@ def launch(script: str | Path, nproc: int, args: Sequence[str] = (), *, timeout_
     if nproc < 1 or timeout_s <= 0:
         raise ValueError(f"launch(): need nproc >= 1 and timeout_s > 0, got {nproc} and {timeout_s}")
     path = script_path(script)
+    env = child_env(nproc, nccl_debug=nccl_debug, extra=extra_env)
+    return _supervise(path, nproc, lambda result: [(torchrun_command(path, nproc, [*args, "--result", result]),
+                                                    env, "")], timeout_s=timeout_s, echo=echo)
+
+
+def launch_nodes(script: str | Path, nproc_per_node: Sequence[int], args: Sequence[str] = (), *,
+                 devices: Sequence[str] | None = None, timeout_s: float = 300.0,
+                 echo: bool | Callable[[str], bool] = True, nccl_debug: str | None = None,
+                 extra_env: dict[str, str] | None = None) -> LaunchResult:
+    """Run ``script`` as a cluster runs it on several machines, here on one host: one ``torchrun`` agent per node
+    (``--nnodes=len(nproc_per_node)``, agent ``i`` with ``nproc_per_node[i]`` processes), meeting at a c10d
+    rendezvous on ``localhost:<free port>`` that the first agent keeps. ``devices[i]``, if given, is agent ``i``'s
+    ``CUDA_VISIBLE_DEVICES`` (:func:`split_devices`): each node its own GPUs, as on separate machines. Lines are
+    prefixed with ``[node i]``; what :func:`launch` says of output, results, deadline and errors holds here, and when
+    one agent fails the others are stopped 10 s later (they would wait for its processes until their timeout).
+
+    Raises:
+        LaunchTimeout, LaunchError: as :func:`launch`. ValueError: for fewer than two nodes, a node without
+            processes, or ``devices`` of another length.
+    """
+    nodes = len(nproc_per_node)
+    if nodes < 2 or min(nproc_per_node) < 1 or timeout_s <= 0 or (devices is not None and len(devices) != nodes):
+        raise ValueError(f"launch_nodes(): need 2 or more nodes of at least one process (and one device list per "
+                         f"node), got {list(nproc_per_node)} and {devices}")
+    path = script_path(script)
+    endpoint, run_id = f"localhost:{free_port()}", f"course-{os.getpid()}-{time.monotonic_ns()}"
+    world = sum(nproc_per_node)
+
+    def agents(result: str) -> list[tuple[list[str], dict[str, str], str]]:
+        out = []
+        for node, nproc in enumerate(nproc_per_node):
+            env = child_env(world, nccl_debug=nccl_debug, extra=extra_env)
+            if devices is not None:
+                env["CUDA_VISIBLE_DEVICES"] = devices[node]
+            cmd = torchrun_command(path, nproc, [*args, "--result", result], nnodes=nodes, endpoint=endpoint,
+                                   run_id=run_id, is_host=node == 0)
+            out.append((cmd, env, f"[node {node}] "))
+        return out
+
+    return _supervise(path, world, agents, timeout_s=timeout_s, echo=echo)
+
+
+#: After one agent of a several-node launch failed, how long the others may take to notice before they are killed.
+AGENT_GRACE_S = 10.0
+
+
+def _supervise(path: Path, nproc: int, agents: Callable[[str], list[tuple[list[str], dict[str, str], str]]], *,
+               timeout_s: float, echo: bool | Callable[[str], bool]) -> LaunchResult:
+    """Start the agents ``agents(result_path)`` gives (command, environment, prefix of its lines), each in a process
+    group of its own; stream their lines; enforce the deadline; return rank 0's result."""
     out_dir = Path(tempfile.mkdtemp(prefix="course-dist-"))
     result_path = out_dir / "result.json"
-    cmd = torchrun_command(path, nproc, [*args, "--result", str(result_path)])
     show = echo if callable(echo) else (lambda line: bool(echo))
     lines: list[str] = []
+    arrived: queue.Queue[tuple[int, str | None]] = queue.Queue()
+    procs: list[subprocess.Popen] = []
     start = time.perf_counter()
-    try:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                                errors="replace", env=child_env(nproc, nccl_debug=nccl_debug, extra=extra_env),
-                                cwd=ROOT, start_new_session=True)  # its own process group: killed as one
-    except BaseException:
-        shutil.rmtree(out_dir, ignore_errors=True)
-        raise
-    arrived: queue.Queue[str | None] = queue.Queue()
 
-    def read() -> None:
+    def read(i: int, proc: subprocess.Popen, prefix: str) -> None:
         assert proc.stdout is not None
         for line in proc.stdout:
-            arrived.put(line.rstrip("\n"))
-        arrived.put(None)
+            arrived.put((i, prefix + line.rstrip("\n")))
+        arrived.put((i, None))
 
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
     try:
-        deadline = start + timeout_s
-        while True:
+        for i, (cmd, env, prefix) in enumerate(agents(str(result_path))):
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                                    errors="replace", env=env, cwd=ROOT,
+                                    start_new_session=True)  # its own process group: killed as one
+            procs.append(proc)
+            threading.Thread(target=read, args=(i, proc, prefix), daemon=True).start()
+        deadline, open_streams, failed_at = start + timeout_s, len(procs), None
+        while open_streams:
+            now = time.perf_counter()
+            if failed_at is None and any(p.poll() not in (None, 0) for p in procs):
+                failed_at = now  # one agent failed: the others get a grace period, then are stopped
+            if failed_at is not None and now > failed_at + AGENT_GRACE_S:
+                for proc in procs:
+                    if proc.poll() is None:
+                        _kill_group(proc)
             try:
-                line = arrived.get(timeout=max(0.0, min(0.5, deadline - time.perf_counter())))
+                i, line = arrived.get(timeout=max(0.0, min(0.5, deadline - now)))
             except queue.Empty:
                 if time.perf_counter() >= deadline:
-                    _kill_group(proc)
+                    for proc in procs:
+                        _kill_group(proc)
                     tail = "\n".join(lines[-15:])
                     raise LaunchTimeout(f"{path.name} with {nproc} processes did not finish within {timeout_s:.0f} s: "
                                         f"every process of it was killed. Last lines:\n{tail}",
-                                        returncode=proc.poll(), lines=lines) from None
+                                        returncode=procs[0].poll(), lines=lines) from None
                 continue
             if line is None:
-                break
+                open_streams -= 1
+                continue
             lines.append(line)
             if show(line):
                 print(line, flush=True)
-        try:
-            returncode = proc.wait(timeout=max(1.0, deadline - time.perf_counter()))
-        except subprocess.TimeoutExpired:  # its output closed, but a process lives on past the deadline
-            _kill_group(proc)
-            raise LaunchTimeout(f"{path.name} with {nproc} processes did not exit within {timeout_s:.0f} s: every "
-                                "process of it was killed", returncode=proc.poll(), lines=lines) from None
+        returncodes = []
+        for proc in procs:
+            try:
+                returncodes.append(proc.wait(timeout=max(1.0, deadline - time.perf_counter())))
+            except subprocess.TimeoutExpired:  # its output closed, but a process lives on past the deadline
+                for p in procs:
+                    _kill_group(p)
+                raise LaunchTimeout(f"{path.name} with {nproc} processes did not exit within {timeout_s:.0f} s: "
+                                    "every process of it was killed", returncode=proc.poll(), lines=lines) from None
     except BaseException:  # the deadline, an interrupted kernel, anything: never leave processes behind
-        if proc.poll() is None:
-            _kill_group(proc)
+        for proc in procs:
+            if proc.poll() is None:
+                _kill_group(proc)
         shutil.rmtree(out_dir, ignore_errors=True)
         raise
     wall_s = time.perf_counter() - start
     result = json.loads(result_path.read_text()) if result_path.is_file() else None
     shutil.rmtree(out_dir, ignore_errors=True)
+    returncode = next((code for code in returncodes if code != 0), 0)
     if returncode != 0:
         cause = failure_cause(lines)
         tail = "\n".join(lines[-15:])
@@ -320,6 +449,122 @@ def launch(script: str | Path, nproc: int, args: Sequence[str] = (), *, timeout_
         raise LaunchError(f"{path.name} finished but its rank 0 wrote no result (write_result)", returncode=returncode,
                           lines=lines)
     return LaunchResult(path.name, nproc, returncode, lines, result, wall_s)
+
+
+# ── What this machine can run ──────────────────────────────────────────────────────────────────────────────
+
+
+def gpu_counts(largest: int) -> list[int]:
+    """1, 2, 4, … up to ``largest``, and ``largest`` itself when it is not a power of two: the numbers of GPUs a
+    scaling study runs on (1, 2, 3 for three GPUs; 1, 2, 4, 8 for eight).
+
+    Raises:
+        ValueError: for ``largest`` < 1.
+    """
+    if largest < 1:
+        raise ValueError(f"gpu_counts(): need at least one GPU, got {largest}")
+    counts = [1 << k for k in range(largest.bit_length()) if 1 << k <= largest]
+    return counts if counts[-1] == largest else [*counts, largest]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Where notebook 10's runs go on this machine (:func:`plan`): the multi-process runs (all-reduce, timeout,
+    two nodes, checkpoint) on ``device`` with ``nproc`` processes, the scaling on ``scale_device`` with
+    ``scale_nproc``; ``reason`` says why, in a sentence or two."""
+
+    gpus: int
+    device: str
+    nproc: int
+    scale_device: str
+    scale_nproc: int
+    reason: str
+    gpu_name: str = ""
+
+    @property
+    def ladder(self) -> list[int]:
+        """The numbers of GPUs (processes) the scaling runs on: :func:`gpu_counts` of ``scale_nproc``."""
+        return gpu_counts(self.scale_nproc)
+
+    @property
+    def unit(self) -> str:
+        """What one share of the scaling is called: "GPU", or "process" on a CPU."""
+        return "GPU" if self.scale_device == "cuda" else "process"
+
+    @property
+    def label(self) -> str:
+        """A table's label for the multi-process runs: "4 × NVIDIA H100 80GB HBM3, NCCL" or "gloo on CPU: not
+        comparable"."""
+        return f"{self.nproc} × {self.gpu_name}, NCCL" if self.device == "cuda" else "gloo on CPU: not comparable"
+
+    @property
+    def scale_label(self) -> str:
+        """The label of the scaling's tables (on one GPU, that GPU)."""
+        if self.scale_device == "cpu":
+            return "gloo on CPU: not comparable"
+        return f"{self.gpu_name}, NCCL" if self.scale_nproc == 1 else f"{self.scale_nproc} × {self.gpu_name}, NCCL"
+
+    def __str__(self) -> str:
+        return self.reason
+
+
+def plan(device: torch.device | None = None, *, gpus: int | None = None, nccl: bool | None = None,
+         gpu_name: str | None = None, cpu_processes: int = 2) -> Plan:
+    """What this machine can run, and why: every GPU with NCCL where there are two or more; on one GPU, the scaling
+    on that GPU alone (DDP's own cost, with nothing to talk to) and every multi-process run as ``cpu_processes``
+    gloo processes on the CPU; without GPUs (``device`` not CUDA) or without NCCL, everything on the CPU. ``gpus``,
+    ``nccl`` and ``gpu_name`` default to what this process sees."""
+    on_gpu = device is None or torch.device(device).type == "cuda"
+    gpus = (torch.cuda.device_count() if on_gpu and torch.cuda.is_available() else 0) if gpus is None else gpus
+    nccl = (torch.distributed.is_available() and torch.distributed.is_nccl_available()) if nccl is None else nccl
+    name = gpu_name if gpu_name is not None else (torch.cuda.get_device_name(0) if gpus else "")
+    cpu = f"{cpu_processes} gloo processes on the CPU"
+    if gpus >= 2 and nccl:
+        return Plan(gpus, "cuda", gpus, "cuda", gpus, f"{gpus} GPUs ({name}) and NCCL: every run uses all {gpus}; the "
+                    f"scaling runs on {', '.join(map(str, gpu_counts(gpus)))} of them.", name)
+    if gpus == 1 and nccl:
+        return Plan(1, "cpu", cpu_processes, "cuda", 1, "One GPU: scaling needs a second one, so it is not measured "
+                    "here. DDP's own cost is (DDP against the plain model on this GPU). The all-reduce, the timeout, "
+                    f"the two nodes and the checkpoint run as {cpu}: real launches and checks, not GPU speeds.", name)
+    why = (f"{gpus} GPU{'s' if gpus > 1 else ''}, but this PyTorch has no NCCL" if gpus else "No GPU")
+    return Plan(gpus, "cpu", cpu_processes, "cpu", cpu_processes, f"{why}: every run uses {cpu}. The launches, "
+                "checks and checkpoint are real; bandwidths and speeds are not those of GPUs.", name)
+
+
+def timeout_demo(device_type: str, nproc: int, *, collective_timeout_s: float, deadline_s: float = 90.0) -> str:
+    """Launch ``scripts/mismatched_collective.py`` — rank 0 all-reduces, the others never do — and say how the
+    collective's ``timeout`` ended it: how long after rank 0 called the all-reduce the launch failed, and the line
+    that names the timeout. Under NCCL it runs with :data:`FAIL_FAST_NCCL_ENV` (no flight-recorder dump, the
+    watchdog's wait for the dumps cut to a second); rank 0's announcement is the only line shown.
+
+    Raises:
+        AssertionError: when the collective completed, or the launcher's deadline (not the timeout) ended it, or
+            the failure does not name the timeout.
+    """
+    called: list[float] = []
+
+    def show(line: str) -> bool:
+        if line.startswith("rank 0 calls all_reduce"):
+            called.append(time.perf_counter())
+            return True
+        return False
+
+    start = time.perf_counter()
+    try:
+        launch("mismatched_collective.py", nproc, timeout_s=deadline_s, echo=show,
+               extra_env=FAIL_FAST_NCCL_ENV if device_type == "cuda" else None,
+               args=["--device", device_type, "--timeout-s", collective_timeout_s])
+    except LaunchTimeout as err:
+        raise AssertionError(f"the collective's timeout did not end the run, the launcher's deadline did: {err}") \
+            from err
+    except LaunchError as err:
+        first = str(err).splitlines()[0]
+        assert re.search(r"[Tt]imed out|[Tt]imeout", first), f"the failure should name the timeout: {first}"
+        end = time.perf_counter()
+        after = f"{end - called[0]:.1f} s after rank 0 called the all-reduce, " if called else ""
+        return (f"the launch failed {after}{end - start:.1f} s after it began (timeout {collective_timeout_s:g} s; "
+                f"the rest is starting {nproc} processes and joining the group): {first[:240]}")
+    raise AssertionError("the mismatched collective completed: it should have timed out")
 
 
 # ── Inside a script ────────────────────────────────────────────────────────────────────────────────────────
@@ -876,57 +1121,164 @@ def compared(variants: Mapping[str, Mapping[str, Any]], names: Mapping[str, str]
                                   device=first["device"], **options)
 
 
-def scaling(variants: Mapping[str, Mapping[str, Any]], *, at: str = "", unit: str = "GPU",
-            **options: Any) -> Comparison:
-    """Data-parallel throughput against one GPU (``unit``: what to call it, e.g. "process" on a CPU) at the same batch
-    per GPU, from four variants of
-    ``scripts/ddp_train.py`` timed in the same rounds (``at``: their batch suffix, e.g. ``"@32"``): the plain model
-    on one GPU (the baseline; the other ranks idle), the plain model on all GPUs at once without communication, DDP
-    on one GPU (a process group of its own) and DDP on all of them.
+def scaling(variants: Mapping[str, Mapping[str, Any]], ladder: Sequence[int], *, unit: str = "GPU",
+            kinds: Mapping[str, str] | None = None, **options: Any) -> Comparison:
+    """Data-parallel throughput on 1, 2, …, N GPUs against the plain model on one GPU, at the same batch per GPU,
+    from variants of ``scripts/ddp_train.py`` timed in the same rounds: ``plain:1`` (the baseline), and for every
+    kind (``kinds``: key → name shown, default ``{"ddp": "DDP", "fsdp": "FSDP2"}``) and every ``n`` of ``ladder``
+    the variant ``kind:n`` that the launch timed (FSDP2 on one GPU is usually left out).
 
-    Each variant's time is put per batch of one GPU — its step divided by the GPUs that share the work — with
-    tokens/s as its rate, so that every speed-up is a ratio of throughputs. DDP on n GPUs against one GPU is the
-    scaling (speed-up / n is the scaling efficiency). The plain model on all GPUs at once shows what merely sharing
-    the machine costs (n× would be nothing); DDP on one GPU what DDP's own work costs (its hooks, the copies into
-    its buckets, an all-reduce over one rank).
+    Each variant's time is put per batch of one GPU — its step divided by the ``n`` GPUs that share the work — with
+    tokens/s as its rate, so that every speed-up is a ratio of throughputs: DDP on n GPUs against one GPU is the
+    scaling, and speed-up / n the scaling efficiency (:func:`efficiency`). Names read "DDP, 4 GPUs" (``unit``:
+    what to call a GPU, e.g. "process" on a CPU).
 
     Raises:
-        KeyError: for a variant the launch did not time. ValueError: where the variants ran on other numbers of
-            ranks than these four need.
+        KeyError: without ``plain:1`` or any scaled variant. ValueError: for a variant timed on another number of
+            ranks than its name says.
     """
-    keys = [f"plain{at}:1", f"plain{at}", f"ddp{at}:1", f"ddp{at}"]
-    missing = [key for key in keys if key not in variants]
-    if missing:
-        raise KeyError(f"scaling(): the launch timed no {missing}; it timed {list(variants)}")
-    ranks = {key: variants[key]["ranks"] for key in keys}
-    n = ranks[f"ddp{at}"]
-    if n < 2 or list(ranks.values()) != [1, n, 1, n]:
-        raise ValueError(f"scaling(): need plain and DDP on one rank and on n >= 2 ranks, got {ranks}")
-    units = unit + ("es" if unit.endswith("s") else "s")
-    shown = dict(zip([f"plain, 1 {unit}", f"plain, {n} {units} at once (no communication)", f"DDP, 1 {unit}",
-                      f"DDP, {n} {units}"], keys, strict=True))
+    kinds = dict(kinds or {"ddp": "DDP", "fsdp": "FSDP2"})
+    keys = {f"plain, 1 {unit}": "plain:1"}
+    for kind, shown in kinds.items():
+        keys |= {scaled_name(shown, n, unit): f"{kind}:{n}" for n in ladder if f"{kind}:{n}" in variants}
+    if "plain:1" not in variants or len(keys) < 2:
+        raise KeyError(f"scaling(): need plain:1 and at least one scaled variant; the launch timed {list(variants)}")
+    for key in keys.values():
+        n = int(key.rsplit(":", 1)[1])
+        if variants[key]["ranks"] != n:
+            raise ValueError(f"scaling(): {key} ran on {variants[key]['ranks']} ranks")
     per_batch = {name: [t / variants[key]["ranks"] for t in variants[key]["timing"]["block_times_s"]]
-                 for name, key in shown.items()}
-    one = variants[f"plain{at}:1"]
+                 for name, key in keys.items()}
+    one = variants["plain:1"]
     return Comparison.from_rounds(per_batch, work=Work(one["tokens_per_rank"], "tokens"),
                                   device=one["timing"]["device"], **options)
 
 
-def efficiency_difference(larger: Comparison, smaller: Comparison, *,
-                          names: tuple[str, str] = ("at the larger batch", "at the smaller batch")) -> Verdict:
-    """Whether DDP scaled better at one batch per GPU than at another, from two :func:`scaling` comparisons of one
-    launch (the same rounds): round by round, the speed-up of its last variant over one GPU at the larger batch
-    divided by that at the smaller — the ratio of the two scaling efficiencies — as a :class:`utils.bench.Verdict`
-    named ``names``: "faster", the larger batch scaled better; "slower", the smaller one did; "same", neither by more
-    than the resolution; else "inconclusive".
+def plural(unit: str) -> str:
+    """'GPU' → 'GPUs', 'process' → 'processes'."""
+    return unit + ("es" if unit.endswith("s") else "s")
 
-    Raises:
-        ValueError: for comparisons of different numbers of rounds.
-    """
-    a, b = larger.ratios(larger.variants[-1]), smaller.ratios(smaller.variants[-1])
-    if len(a) != len(b):
-        raise ValueError(f"efficiency_difference(): the comparisons must share their rounds, got {len(a)} and {len(b)}")
-    return verdict_from_ratios(*names, [x / y for x, y in zip(a, b, strict=True)], resolution=larger.resolution)
+
+def scaled_name(kind: str, n: int, unit: str = "GPU") -> str:
+    """How :func:`scaling` names a variant: 'DDP, 1 GPU', 'DDP, 4 GPUs', 'FSDP2, 2 processes'."""
+    return f"{kind}, {n} {unit if n == 1 else plural(unit)}"
+
+
+def efficiency(scaling_: Comparison, kind: str, n: int, unit: str = "GPU") -> str:
+    """'3.71× one GPU's tokens/s (band 3.62–3.80×), efficiency 93% (91–95%)': the speed-up of ``kind`` on ``n``
+    GPUs (:func:`scaled_name`) over the baseline of :func:`scaling`, and that speed-up / ``n``, each with its band."""
+    v = scaling_.verdict(scaled_name(kind, n, unit))
+    lo, hi = v.band
+    return (f"{v.speedup:.2f}× one {unit}'s tokens/s (band {lo:.2f}–{hi:.2f}×), efficiency {v.speedup / n:.0%} "
+            f"({lo / n:.0%}–{hi / n:.0%})")
+
+
+def shortfall(variants: Mapping[str, Mapping[str, Any]], n: int, *, parts: Mapping[str, StepParts] | None = None,
+              unit: str = "GPU", resolution: float = 0.03) -> str:
+    """Why DDP on ``n`` GPUs falls short of n× one GPU (or does not), from the same rounds as :func:`scaling`.
+
+    The efficiency factors exactly into two ratios of step times, each a comparison of its own with a verdict:
+    DDP's own work, ``ddp:1`` against ``plain:1`` (its hooks, the copies into its buckets, an all-reduce over one
+    rank: what DDP costs with nothing to talk to), and going from one GPU to ``n``, ``ddp:n`` against ``ddp:1``
+    (the all-reduce that backward does not hide, waiting for the slowest rank, the host shared by more processes).
+    Each is reported with its verdict; where the second is resolved and the profiles of ``ddp:1`` and ``ddp:n`` are
+    in ``parts`` (:func:`parts_of`), what moved in the step (:func:`step_verdict`)."""
+    own = compared(variants, {f"plain, 1 {unit}": "plain:1", f"DDP, 1 {unit}": "ddp:1"}, resolution=resolution)
+    grow = compared(variants, {f"DDP, 1 {unit}": "ddp:1", scaled_name("DDP", n, unit): f"ddp:{n}"},
+                    resolution=resolution)
+    own_v, grow_v = own.verdict(), grow.verdict()
+
+    def step(v: Verdict) -> str:
+        times = f"{1 / v.speedup:.2f}×"
+        return {"slower": f"the step {times} as long", "faster": f"the step {times} as long",
+                "same": f"no change beyond ±{v.resolution:.0%}"}.get(v.outcome, f"the step {times} as long, not "
+                                                                            "resolved")
+
+    parts = parts or {}
+    moved = step_verdict(grow_v, parts.get("ddp:1"), parts.get(f"ddp:{n}")).split(" — ", 1)
+    why = f" ({moved[1]})" if len(moved) > 1 and grow_v.outcome in ("faster", "slower") else ""
+    return (f"DDP's own work (DDP against the plain model on one {unit}): {step(own_v)}; from one {unit} to {n}: "
+            f"{step(grow_v)}{why}")
+
+
+def scaling_figure(scaling_: Comparison, ladder: Sequence[int], *, unit: str = "GPU",
+                   kinds: Sequence[str] = ("DDP", "FSDP2"), title: str):
+    """Speed-up over one GPU against the number of GPUs for every kind :func:`scaling` timed, each point with its
+    band, beside the ideal n×."""
+    from utils.plot import curves
+
+    series = {"ideal (n×)": (list(ladder), [float(n) for n in ladder])}
+    bands = {}
+    for kind in kinds:
+        ns = [n for n in ladder if scaled_name(kind, n, unit) in scaling_.timings]
+        if ns:
+            verdicts = [scaling_.verdict(scaled_name(kind, n, unit)) for n in ns]
+            series[kind] = (ns, [v.speedup for v in verdicts])
+            bands[kind] = (ns, [v.band for v in verdicts])
+    fig = curves(series, xlabel=plural(unit), ylabel=f"throughput / one {unit}'s (plain model)", title=title)
+    axes = fig.axes[0]
+    for line in axes.get_lines():
+        if line.get_label() in bands:
+            ns, band = bands[line.get_label()]
+            axes.fill_between(ns, [lo for lo, _ in band], [hi for _, hi in band], color=line.get_color(), alpha=0.2)
+        elif line.get_label().startswith("ideal"):
+            line.set_linestyle(":")
+            line.set_color("0.45")
+    axes.set_xticks(list(ladder))
+    axes.legend(fontsize=9)
+    return fig
+
+
+def fsdp_against_ddp(variants: Mapping[str, Mapping[str, Any]], n: int, *, unit: str = "GPU"
+                     ) -> tuple[Verdict, float | None, str]:
+    """FSDP2's step against DDP's on ``n`` GPUs (``fsdp:n`` and ``ddp:n`` of ``scripts/ddp_train.py``, the same
+    rounds) and their peak memory per GPU: the verdict, FSDP2's peak over DDP's (None on a CPU, which has no peak
+    to read) and a sentence with both."""
+    from utils.memory import format_bytes
+
+    verdict = compared(variants, {scaled_name("DDP", n, unit): f"ddp:{n}",
+                                  scaled_name("FSDP2", n, unit): f"fsdp:{n}"}).verdict()
+    peaks = [variants[f"{kind}:{n}"].get("peak_bytes") for kind in ("ddp", "fsdp")]
+    if not all(peaks):
+        return verdict, None, f"{verdict} (peak memory per {unit} is measured on GPUs only)"
+    ratio = peaks[1] / peaks[0]
+    return verdict, ratio, (f"{verdict}; peak memory per {unit} {format_bytes(peaks[1])} against "
+                            f"{format_bytes(peaks[0])} ({ratio:.2f}×)")
+
+
+def checkpoint_rows(saved: Mapping[str, Any], resumed: Mapping[str, Sequence[Mapping[str, Any]]]
+                    ) -> tuple[list[dict[str, str]], float]:
+    """Table rows of ``scripts/fsdp_train.py``'s checkpoint: the losses of steps 3–4 in the run that saved it
+    (``saved``, never interrupted) and in every run that resumed from it (``resumed``: a label → the results of its
+    launches), with each one's largest difference from the saving run; and the largest difference of all."""
+    reference = saved["losses"][2:]
+    rows = [{"run": f"saved on {saved['ranks']}, never interrupted", "step 3": f"{reference[0]:.6f}",
+             "step 4": f"{reference[1]:.6f}", "largest difference": "—"}]
+    worst = 0.0
+    for label, results in resumed.items():
+        for i, result in enumerate(results, 1):
+            losses = result["resume"]["losses"]
+            diff = max(abs(a - b) for a, b in zip(losses, reference, strict=True))
+            worst = max(worst, diff)
+            rows.append({"run": f"resumed on {result['resume']['ranks']}, {label}"
+                                + (f" (launch {i})" if len(results) > 1 else ""),
+                         "step 3": f"{losses[0]:.6f}", "step 4": f"{losses[1]:.6f}",
+                         "largest difference": f"{diff:.1e}"})
+    return rows, worst
+
+
+def placement_text(placement: Sequence[Mapping[str, Any]]) -> str:
+    """'node 0: ranks 0, 1 on GPUs 0, 1 · node 1: ranks 2, 3 on GPUs 2, 3', from the placement a script reports."""
+    nodes: dict[int, list[Mapping[str, Any]]] = {}
+    for entry in sorted(placement, key=lambda e: e["rank"]):
+        nodes.setdefault(entry["node"], []).append(entry)
+    parts = []
+    for node, entries in sorted(nodes.items()):
+        ranks = ", ".join(str(e["rank"]) for e in entries)
+        where = ("the CPU" if all(e["gpu"] == "cpu" for e in entries)
+                 else "GPU" + ("s " if len(entries) > 1 else " ") + ", ".join(e["gpu"] for e in entries))
+        parts.append(f"node {node}: rank{'s' if len(entries) > 1 else ''} {ranks} on {where}")
+    return " · ".join(parts)
 
 
 def parts_of(variants: Mapping[str, Any], rows: Sequence[dict[str, Any]] | None = None, *,
@@ -1102,3 +1454,65 @@ def link_spec_gbps(entry: str | None, compute_capability: tuple[int, int] | None
     if pcie_gbps:
         return pcie_gbps, f"{what}; bounded by each GPU's PCIe link, {pcie_gbps:.1f} GB/s per direction"
     return None, what
+
+
+def ring_link_spec(topology: str | None, gpus: int, compute_capability: tuple[int, int] | None,
+                   pcie_gbps: float | None = None) -> tuple[float | None, str]:
+    """The specified bandwidth per direction that bounds an all-reduce over GPUs 0 … ``gpus``−1: the slowest link
+    between any two of them (:func:`link_between`, :func:`link_spec_gbps`), and a phrase saying which. A ring
+    crosses every GPU's links, so no bus bandwidth can beat its slowest one."""
+    if topology is None or gpus < 2:
+        return None, "no link between GPUs here"
+    links = []
+    for a, b in itertools.combinations(range(gpus), 2):
+        entry = link_between(topology, a, b)
+        gbps, what = link_spec_gbps(entry, compute_capability, pcie_gbps)
+        if gbps is None:
+            return None, f"GPU{a} ↔ GPU{b}: {entry or '?'} — {what}"
+        links.append((gbps, a, b, entry, what))
+    gbps, a, b, entry, what = min(links)
+    if len({link[3] for link in links}) == 1:
+        pairs = "GPU0 ↔ GPU1" if gpus == 2 else f"every pair of GPUs 0–{gpus - 1}"
+        return gbps, f"{pairs}: {entry} — {what}"
+    return gbps, f"slowest pair GPU{a} ↔ GPU{b}: {entry} — {what}"
+
+
+def allreduce_rows(sweeps: Sequence[Mapping[str, Any]], spec_gbps: float | None = None) -> list[dict[str, str]]:
+    """One table row per number of ranks of ``scripts/allreduce_bench.py``'s ``sweeps``, at its largest message:
+    time per call, algorithm and bus bandwidth, their ratio 2(n−1)/n, and the bus bandwidth's share of the link's
+    specification ``spec_gbps`` (when known)."""
+    from utils.memory import format_bytes
+
+    rows = []
+    for sweep in sweeps:
+        row, n = sweep["rows"][-1], sweep["ranks"]
+        rows.append({"GPUs": n, "message": format_bytes(row["bytes"]), "time per call": fmt(row["timing"]["median_s"]),
+                     "algorithm GB/s": f"{row['alg_gbps']:,.3g}", "bus GB/s": f"{row['bus_gbps']:,.3g}",
+                     "bus / algorithm": f"{allreduce_bus_factor(n):.3g}",
+                     "% of link spec": f"{100 * row['bus_gbps'] / spec_gbps:.0f}%" if spec_gbps else "—"})
+    return rows
+
+
+def allreduce_figure(sweeps: Sequence[Mapping[str, Any]], *, spec_gbps: float | None = None, title: str):
+    """Bus bandwidth (solid) and algorithm bandwidth (dashed) of every sweep against the message size, the link's
+    specification as a line: the figure of notebook 10's all-reduce section."""
+    from utils.memory import format_bytes
+    from utils.plot import curves
+
+    series = {}
+    for sweep in sweeps:
+        sizes = [r["bytes"] for r in sweep["rows"]]
+        series[f"bus, {sweep['ranks']} ranks"] = (sizes, [r["bus_gbps"] for r in sweep["rows"]])
+        series[f"algorithm, {sweep['ranks']} ranks"] = (sizes, [r["alg_gbps"] for r in sweep["rows"]])
+    fig = curves(series, hlines={f"link spec ({spec_gbps:,.0f} GB/s)": spec_gbps} if spec_gbps else None,
+                 xlabel="message size", ylabel="GB/s", logx=True, title=title, legend_outside=True,
+                 xticks=lambda b: format_bytes(b).replace(".00", ""))
+    axes = fig.axes[0]
+    colours = {}
+    for line in axes.get_lines():  # one colour per number of ranks: bus solid, algorithm dashed
+        kind, _, ranks = line.get_label().partition(", ")
+        if kind in ("bus", "algorithm"):
+            line.set_color(colours.setdefault(ranks, f"C{len(colours)}"))
+            line.set_linestyle("-" if kind == "bus" else "--")
+    axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
+    return fig

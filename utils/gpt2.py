@@ -364,16 +364,18 @@ class StaticDecoder:
     tokens stay on the GPU until the end (no synchronisation per token).
 
     ``compile_step=True`` compiles the forward with ``torch.compile`` first (Inductor's fused kernels), then
-    captures those in the graph. ``fused_step=True`` runs the forward as :class:`utils.gpt2_fused.FusedDecodeStep`
-    instead: five Triton kernels per layer (on a CPU only in Triton's interpreter); pass a ``FusedDecodeStep`` of
-    this model to choose its options (``pdl=False``). On a CPU the step runs in a loop (no graphs there).
+    captures those in the graph. ``graph_prefill=True`` puts the prompt's prefill (an eager forward pass,
+    launch-bound at batch 1) in a CUDA graph of its own as well, one per prompt length. ``fused_step=True`` runs the
+    forward as :class:`utils.gpt2_fused.FusedDecodeStep` instead: five Triton kernels per layer (on a CPU only in
+    Triton's interpreter); pass a ``FusedDecodeStep`` of this model to choose its options (``pdl=False``). On a
+    CPU the step runs in a loop (no graphs there).
 
     Usage: ``decoder = StaticDecoder(model, batch=1, max_len=512)``; ``decoder.generate(idx, new_tokens)``.
     The graph is captured on the first call (for this batch size; the prompt length may vary).
     """
 
     def __init__(self, model: GPT2, *, batch: int, max_len: int, compile_step: bool = False,
-                 fused_step=False) -> None:
+                 fused_step=False, graph_prefill: bool = False) -> None:
         if max_len < 8:
             raise ValueError(f"max_len must be at least 8 (room for a prompt and the capture's warm-up), got {max_len}")
         if compile_step and fused_step:
@@ -386,6 +388,9 @@ class StaticDecoder:
         self.out = torch.zeros(batch, max_len, dtype=torch.int64, device=self.device)
         self.fused = fused_step is not False
         self.prompt_len: int | None = None  # set by prefill(): where rewind() takes the decoder back to
+        self.positions = torch.arange(max_len, device=self.device)
+        self.graph_prefill = graph_prefill and self.device.type == "cuda"
+        self.prefill_graphs: dict[int, tuple[torch.Tensor, torch.cuda.CUDAGraph]] = {}  # prompt length → (input, graph)
         if fused_step is True:
             from utils.gpt2_fused import FusedDecodeStep  # imports triton: only when asked (see that module)
 
@@ -408,19 +413,47 @@ class StaticDecoder:
         self.token.copy_(next_token)
         self.pos.add_(1)
 
-    @torch.inference_mode()
-    def prefill(self, idx: torch.Tensor) -> None:
-        """Run the prompt through the model into the cache; the first new token goes to ``out``."""
-        b, t = idx.shape
-        if b != self.batch or t >= self.max_len:
-            raise ValueError(f"prompt {list(idx.shape)} does not fit this decoder (batch {self.batch}, "
-                             f"max_len {self.max_len})")
-        logits = self.model(idx, torch.arange(t, device=self.device), self.cache)
+    def _prefill_step(self, idx: torch.Tensor) -> None:
+        t = idx.shape[1]
+        logits = self.model(idx, self.positions[:t], self.cache)
         self.out[:, :t] = idx
         self.out[:, t:t + 1] = logits[:, -1].argmax(dim=-1, keepdim=True)
         self.token.copy_(self.out[:, t:t + 1])
         self.pos.fill_(t)
+
+    @torch.inference_mode()
+    def prefill(self, idx: torch.Tensor) -> None:
+        """Run the prompt through the model into the cache; the first new token goes to ``out``. With
+        ``graph_prefill=True`` (on a GPU) the prefill is a CUDA graph too, one per prompt length, captured on the
+        first prompt of that length: one launch instead of a dozen kernels per layer from Python."""
+        b, t = idx.shape
+        if b != self.batch or t >= self.max_len:
+            raise ValueError(f"prompt {list(idx.shape)} does not fit this decoder (batch {self.batch}, "
+                             f"max_len {self.max_len})")
+        if self.graph_prefill:
+            if t not in self.prefill_graphs:
+                self._capture_prefill(idx)
+            buffer, graph = self.prefill_graphs[t]
+            buffer.copy_(idx)
+            graph.replay()
+        else:
+            self._prefill_step(idx)
         self.prompt_len = t
+
+    def _capture_prefill(self, idx: torch.Tensor) -> None:
+        """Capture the prefill of prompts of ``idx``'s length; its warm-up writes only what the replay rewrites (the
+        prompt's positions of the cache, the output's first tokens, the token and the position)."""
+        buffer = idx.clone()
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._prefill_step(buffer)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self._prefill_step(buffer)
+        self.prefill_graphs[idx.shape[1]] = (buffer, graph)
 
     @torch.inference_mode()
     def rewind(self) -> None:
@@ -579,7 +612,8 @@ class DecodeRate:
 
     def row(self) -> dict[str, object]:
         return {"variant": self.label, "tokens/s": f"{self.tokens_per_s:,.0f}", "ms/step": f"{self.ms_per_token:.3g}",
-                "GB/s": f"{self.gbps:,.0f}", "% of copy": f"{self.pct_copy:.0f}%" if self.pct_copy else "—"}
+                "GB/s": f"{self.gbps:,.0f}" if self.gbps >= 10 else f"{self.gbps:.2g}",
+                "% of copy": f"{self.pct_copy:.0f}%" if self.pct_copy else "—"}
 
 
 def decode_rate(label: str, seconds: float, model: GPT2, *, batch: int, prompt: int, new_tokens: int,

@@ -12,6 +12,10 @@
 - :func:`loader_timing` — what a ``DataLoader`` with N workers supplies in steady state (one live iterator, rounds
   of N batches), optionally feeding each batch to a training step; :func:`cpu_cores` — the logical CPUs this process
   may use and the physical cores behind them (the workers' budget).
+- :func:`cpu_use` — how busy the CPUs and the main process were while something ran; :func:`loader_sweep` —
+  :func:`loader_timing` over worker counts with the CPUs' use at each, and :class:`LoaderSweep`'s measured reason
+  why N workers deliver less than N lone workers (cores all busy, the main process busy, or neither: not measured);
+  :func:`workers_that_fit` — the workers whose batches fit in ``/dev/shm``.
 - :func:`normalize` — uint8 images on the device → the float batch a model trains on (ImageNet mean and std).
 
 torchvision 0.29 deprecates its image codecs in favour of TorchCodec and warns on every call; the functions here
@@ -24,9 +28,13 @@ import contextlib
 import itertools
 import math
 import os
+import shutil
+import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +44,7 @@ from torchvision.transforms import v2
 
 from utils.bench import Timing, bench
 
+T = TypeVar("T")
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 #: ImageNet's training images average about 400×350 pixels and 110 KB; the default synthetic size is close.
@@ -316,3 +325,159 @@ def normalize(images: torch.Tensor, *, dtype: torch.dtype = torch.float32,
     mean = torch.tensor(IMAGENET_MEAN, device=images.device).view(1, 3, 1, 1) * 255
     std = torch.tensor(IMAGENET_STD, device=images.device).view(1, 3, 1, 1) * 255
     return ((images.float() - mean) / std).to(dtype).contiguous(memory_format=memory_format)
+
+
+# ── What the CPUs did while a loader ran, and the loader's scaling with its workers ──────────────────────────
+
+
+def _proc_stat(cpus: Sequence[int], path: str | Path = "/proc/stat") -> tuple[float, float] | None:
+    """(busy, total) jiffies summed over ``cpus`` from Linux's ``/proc/stat`` (idle and iowait are not busy);
+    None where it cannot be read."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError:
+        return None
+    wanted, busy, total = {f"cpu{c}" for c in cpus}, 0.0, 0.0
+    for line in lines:
+        fields = line.split()
+        if fields and fields[0] in wanted:
+            values = [float(v) for v in fields[1:9]]  # user nice system idle iowait irq softirq steal
+            total += sum(values)
+            busy += sum(values) - values[3] - values[4]
+    return (busy, total) if total > 0 else None
+
+
+@dataclass(frozen=True)
+class CpuUse:
+    """How busy the CPUs were while something ran: ``busy_cores`` of the ``cores`` this process may use were
+    busy on average (every process on them: workers, the main process, anything else; None where Linux's
+    ``/proc/stat`` cannot be read), and ``main_cores`` of them were this process (all its threads)."""
+
+    cores: int
+    busy_cores: float | None
+    main_cores: float
+
+    def __str__(self) -> str:
+        busy = "not measurable here" if self.busy_cores is None else f"{self.busy_cores:.1f} of {self.cores} busy"
+        return f"CPUs: {busy}; the main process {self.main_cores:.0%} of a core"
+
+
+def cpu_use(fn: Callable[[], T], *, cpus: Sequence[int] | None = None,
+            stat_path: str | Path = "/proc/stat") -> tuple[T, CpuUse]:
+    """Run ``fn()`` and return its result with the :class:`CpuUse` meanwhile, over the CPUs this process may run
+    on (``cpus``, ``stat_path``: for tests)."""
+    if cpus is None:
+        cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+    cpus = list(cpus)
+    before, cpu0, wall0 = _proc_stat(cpus, stat_path), time.process_time(), time.perf_counter()
+    result = fn()
+    after, cpu1, wall1 = _proc_stat(cpus, stat_path), time.process_time(), time.perf_counter()
+    wall = max(wall1 - wall0, 1e-9)
+    busy = None
+    if before is not None and after is not None and after[1] > before[1]:
+        busy = len(cpus) * (after[0] - before[0]) / (after[1] - before[1])
+    return result, CpuUse(len(cpus), busy, (cpu1 - cpu0) / wall)
+
+
+def workers_that_fit(workers: int, batch_size: int, size: int, *, shm_free: int | None = -1) -> int:
+    """At most ``workers``, and no more than whose batches (uint8 ``3×size×size`` images, two batches each in
+    flight) fit in half of ``/dev/shm``'s free space: workers hand batches over in shared memory, and a container's
+    small ``/dev/shm`` makes them crash ("bus error"). ``shm_free``: bytes free (default: read it; None: no limit)."""
+    if shm_free == -1:
+        shm_free = shutil.disk_usage("/dev/shm").free if os.path.isdir("/dev/shm") else None
+    if shm_free is None:
+        return max(1, workers)
+    return max(1, min(workers, int(shm_free / 2 / (2 * batch_size * 3 * size * size))))
+
+
+@dataclass
+class LoaderSweep:
+    """A ``DataLoader``'s steady-state rate at several worker counts (:func:`loader_sweep`), with the CPUs' use at
+    each. ``per_worker``: one worker's rate in a ``DataLoader`` (the first count, 1), the baseline of scaling."""
+
+    timings: dict[int, Timing]
+    use: dict[int, CpuUse]
+    batch_size: int
+
+    @property
+    def counts(self) -> list[int]:
+        return list(self.timings)
+
+    def rate(self, workers: int) -> float:
+        return 1 / self.timings[workers].median_s
+
+    @property
+    def per_worker(self) -> float:
+        return self.rate(self.counts[0]) / self.counts[0]
+
+    @property
+    def best(self) -> int:
+        return max(self.counts, key=self.rate)
+
+    def efficiency(self, workers: int) -> float:
+        """Images/s at ``workers`` over ``workers`` × one worker's: 1 where every worker adds a whole worker."""
+        return self.rate(workers) / (workers * self.per_worker)
+
+    def rows(self) -> list[dict[str, object]]:
+        return [{"workers": n, "images/s": f"{self.rate(n):,.0f}", "band": f"{self.timings[n].spread:.0%}",
+                 "per worker": f"{self.rate(n) / n:,.0f}", "of n × one worker": f"{self.efficiency(n):.0%}",
+                 "CPUs busy": "—" if self.use[n].busy_cores is None else
+                 f"{self.use[n].busy_cores:.1f} of {self.use[n].cores}",
+                 "main process": f"{self.use[n].main_cores:.0%}"} for n in self.counts]
+
+    def why_short(self, workers: int) -> str:
+        """The measured reason why ``workers`` workers deliver less than that many lone workers: the CPUs all busy
+        (they share cores), the main process busy (it collects, pins and copies every batch), or neither — then the
+        cause (caches, memory bandwidth, clocks) is not measured here and the sentence says so."""
+        use, eff = self.use[workers], self.efficiency(workers)
+        head = f"at {workers} workers each delivers {eff:.0%} of a lone worker's rate"
+        if eff >= 0.8:
+            return f"{head}: they scale"
+        if use.busy_cores is not None and use.busy_cores >= 0.9 * use.cores:
+            return (f"{head}: the CPUs were busy ({use.busy_cores:.1f} of {use.cores} cores on average), so the "
+                    "workers and the main process shared cores")
+        if use.main_cores >= 0.9:
+            return (f"{head}: the main process was busy {use.main_cores:.0%} of the time (it collects, pins and "
+                    "copies every batch): it sets the pace, not the workers")
+        busy = "not measurable here" if use.busy_cores is None else f"{use.busy_cores:.1f} of {use.cores} busy"
+        return (f"{head}; neither were the CPUs saturated ({busy}) nor the main process ({use.main_cores:.0%} of a "
+                "core): what held them back — shared caches, memory bandwidth, lower clocks with many cores busy — "
+                "is not measured here")
+
+    def summary(self, train_rate: float) -> str:
+        """Whether the loader keeps up with a step training ``train_rate`` images/s, beyond its noise, and how it
+        scaled (:meth:`why_short` at the best count)."""
+        best = self.best
+        slow = {n: 1 / self.timings[n].quartiles_s[1] for n in self.counts}  # the slower quartile's rate
+        enough = [n for n in self.counts if slow[n] >= train_rate]
+        if enough:
+            keeps = (f"{enough[0]} worker{'s' * (enough[0] != 1)} keep{'s' * (enough[0] == 1)} up with it, beyond "
+                     "the loader's noise")
+        elif self.rate(best) >= train_rate:
+            keeps = f"{best} workers supply about as much, within the loader's noise: no margin to spare"
+        else:
+            keeps = f"it trains {train_rate / self.rate(best):.2f}× what the loader supplies at best"
+        text = (f"the DataLoader supplies at most {self.rate(best):,.0f} images/s, with {best} worker"
+                f"{'s' * (best != 1)}; the step trains {train_rate:,.0f}: {keeps}")
+        return text + ("" if best == self.counts[0] else f"\n{self.why_short(best)}")
+
+    def enough(self, train_rate: float) -> int:
+        """The fewest workers whose slower-quartile rate keeps up with ``train_rate``, else the fastest count."""
+        return next((n for n in self.counts if 1 / self.timings[n].quartiles_s[1] >= train_rate), self.best)
+
+
+def loader_sweep(dataset: torch.utils.data.Dataset, counts: Sequence[int], *, batch_size: int,
+                 **options) -> LoaderSweep:
+    """:func:`loader_timing` at every worker count in ``counts`` (the first should be 1: the baseline of scaling),
+    each with the CPUs' use while it ran (:func:`cpu_use`); ``options`` go to :func:`loader_timing`.
+
+    Raises:
+        ValueError: for no counts.
+    """
+    if not counts:
+        raise ValueError("loader_sweep() needs at least one worker count")
+    timings, use = {}, {}
+    for n in counts:
+        timings[n], use[n] = cpu_use(lambda n=n: loader_timing(dataset, workers=n, batch_size=batch_size,
+                                                               label=f"{n} workers", **options))
+    return LoaderSweep(timings, use, batch_size)

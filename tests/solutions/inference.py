@@ -1,4 +1,4 @@
-"""Solutions to notebook 08's exercises."""
+"""Solutions to the exercises of notebooks 08 and 08b."""
 
 import torch
 

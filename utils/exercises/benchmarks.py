@@ -74,3 +74,35 @@ def linear_training_flops(answer) -> str:
             raise Miss(f"a multiply-add is 2 FLOPs ({where})")
         raise Miss(where)
     return "forward 2·rows·in·out, backward twice that: 6 FLOPs per weight per row — what FlopCounterMode counts."
+
+
+@exercise("1 · The memory limit of decoding")
+def decode_limit(answer, *, parameters: int | None = None, bytes_per_parameter: int | None = None,
+                 gb_per_s: float | None = None, measured: float | None = None) -> str:
+    """``answer(parameters, bytes_per_parameter, gb_per_s)``: tokens/s at most when every step reads every weight
+    once (notebook 09b)."""
+    cases = [((124_439_808, 2, 3000.0), 12_054.02), ((1_000_000_000, 4, 1000.0), 250.0), ((7e9, 1, 700.0), 100.0)]
+    for (n, size, gbps), expected in cases:
+        got = answer(n, size, gbps)
+        if got is None:
+            raise NotImplementedError("decode_limit returns None: return tokens per second")
+        where = (f"for {n:,.0f} parameters of {size} bytes at {gbps:,.0f} GB/s: yours {got:,.4g}, expected "
+                 f"{expected:,.4g}")
+        if abs(got - expected) <= 1e-3 * expected:
+            continue
+        ratio = got / expected
+        if abs(ratio - size) < 1e-3 * size and size != 1:
+            raise Miss(f"the bytes per parameter are missing ({where}): a step reads parameters × bytes")
+        if abs(ratio - 1 / 8) < 1e-3:
+            raise Miss(f"bytes, not bits ({where}): GB/s counts bytes")
+        if abs(ratio - 2**30 / 1e9) < 1e-3:
+            raise Miss(f"GB/s is 10⁹ bytes per second, not 2³⁰ ({where})")
+        if got > 0 and abs(got * expected - 1) < 1e-3:
+            raise Miss(f"that is seconds per token ({where}): tokens per second is its inverse")
+        raise Miss(where)
+    here = ""
+    if parameters and bytes_per_parameter and gb_per_s:
+        limit = answer(parameters, bytes_per_parameter, gb_per_s)
+        here = f" Here: at most {limit:,.0f} tokens/s from the weights alone"
+        here += f"; the best decoder measured {measured:,.0f} ({measured / limit:.0%} of it)." if measured else "."
+    return "bandwidth ÷ bytes per step: every token reads every weight once." + here

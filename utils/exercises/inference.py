@@ -1,4 +1,5 @@
-"""Checks for the exercises of notebook 08 · Inference and generation."""
+"""Checks for the exercises of notebooks 08 · Fast decoding (the decoding limit) and 08b · Serving GPT-2 (top-k
+sampling on the device)."""
 
 from __future__ import annotations
 
@@ -30,11 +31,11 @@ def max_tokens_per_s(answer, *, model=None, bandwidth_gbps: float | None = None)
         params = sum(p.numel() for p in model.parameters())
         size = next(model.parameters()).element_size()
         here = (f" Here: {answer(params, size, bandwidth_gbps):,.0f} tokens/s for this model in "
-                f"{next(model.parameters()).dtype} — the yardstick section 3 put every variant against.")
+                f"{next(model.parameters()).dtype} — the yardstick notebook 08 put every variant against.")
     return "bandwidth over the bytes a step must read." + here
 
 
-@exercise("2 · Top-k sampling on the device")
+@exercise("1 · Top-k sampling on the device")
 def sample_top_k(answer, *, device: torch.device | str = "cpu") -> str:
     """``answer(logits, k, generator)`` returns int64 [batch, 1] on the logits' device, drawn from the top-k softmax."""
     device = torch.device(device)

@@ -1,0 +1,199 @@
+"""utils.benchmarks: the guide's table, the checks, reading a row against the guide, the compile row, attention in a
+compiled graph and in a profile, a decode step's floor, and the cross-check against another notebook's run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from utils import benchmarks as bm
+from utils.bench import Comparison, Work
+from utils.profile import Kernel, StepProfile
+
+
+def _comparison(times: dict[str, list[float]], items: float = 100) -> Comparison:
+    return Comparison.from_rounds(times, work=Work(items, "images"))
+
+
+def _profile(kernels: list[tuple[str, float]], wall_s: float = 1e-3, steps: int = 1, unit: str = "step") -> StepProfile:
+    start, out = 0.0, []
+    for name, us in kernels:
+        out.append(Kernel(name, start, us))
+        start += us
+    return StepProfile(device="cuda:0", steps=steps, wall_s=wall_s, kernels=out, on_gpu=True, unit=unit)
+
+
+def test_guide_table_has_the_four_rows():
+    rows = bm.guide_table()
+    assert [r["the guide's RTX 4090"] for r in rows] == ["1,850", "320", "145", "1.3–2×"]
+    assert bm.GUIDE["BERT-Large inference"].notes == "batch 32, torch.compile"
+
+
+def test_full_fp32_turns_tf32_off_and_restores_the_settings():
+    torch.set_float32_matmul_precision("high")
+    torch.backends.cudnn.allow_tf32 = True
+    try:
+        with bm.full_fp32():
+            assert torch.get_float32_matmul_precision() == "highest"
+            assert torch.backends.cudnn.allow_tf32 is False
+        assert torch.get_float32_matmul_precision() == "high" and torch.backends.cudnn.allow_tf32 is True
+    finally:
+        torch.set_float32_matmul_precision("highest")
+
+
+def test_check_close_returns_the_error_and_fails_beyond_the_tolerance_or_on_nan():
+    ref = torch.ones(100)
+    assert bm.check_close("x", ref * 1.001, ref, 1e-2) == pytest.approx(1e-3, rel=1e-3)
+    with pytest.raises(AssertionError, match="bf16 weights: relative error 1.0e-01"):
+        bm.check_close("bf16 weights", ref * 1.1, ref, 1e-2)
+    with pytest.raises(AssertionError, match="nan"):
+        bm.check_close("x", torch.full((100,), float("nan")), ref, 1e-2)
+    with pytest.raises(ValueError, match="shapes differ"):
+        bm.relative_error(torch.ones(3), torch.ones(4))
+
+
+def _step(model):
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(x, y):
+        optimizer.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        return loss
+    return step
+
+
+def test_first_step_and_its_check():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    twin = torch.nn.Linear(8, 4)
+    twin.load_state_dict(model.state_dict())
+    x, y = torch.randn(16, 8), torch.randint(0, 4, (16,))
+    first = bm.first_step(_step(model), model, x, y)
+    assert first[1].numel() == 8 * 4 + 4
+    line = bm.check_first_step("twin", bm.first_step(_step(twin), twin, x, y), first, None)
+    assert line.startswith("✅ twin") and "gradients 0e+00" in line
+    overflowed = (first[0], None)  # a GradScaler's first scale overflowed: gradients not compared, and it says so
+    assert "not compared" in bm.check_first_step("fp16", overflowed, first, torch.float16)
+    with pytest.raises(AssertionError, match="off, loss"):
+        bm.check_first_step("off", (first[0] * 2, first[1]), first, None)
+
+
+def test_repeated_calls_times():
+    calls = []
+    bm.repeated(lambda: calls.append(1), 3)()
+    assert len(calls) == 3
+    with pytest.raises(ValueError):
+        bm.repeated(lambda: None, 0)
+
+
+def test_against_guide_is_the_same_only_inside_the_band():
+    c = _comparison({"guide": [0.10, 0.11, 0.09, 0.10, 0.12, 0.10], "best": [0.05, 0.05, 0.05, 0.05, 0.05, 0.05]})
+    rate = c.rate("guide")  # about 1,000 images/s
+    assert bm.against_guide(c, "guide", rate) == "the same as the guide's 4090 figure, within this run's band"
+    assert bm.against_guide(c, "guide", rate / 2) == f"{2:.2f}× the guide's 4090 figure"
+    assert bm.against_guide(c, "guide", rate, comparable=False).startswith("not comparable")
+    with pytest.raises(ValueError):
+        bm.against_guide(c, "guide", 0)
+
+
+def test_guide_range_and_compile_pairs():
+    assert [bm.guide_range(s) for s in (0.9, 1.3, 2.0, 2.5)] == ["below", "within", "within", "above"]
+    c = _comparison({"eager": [0.2] * 8, "compiled": [0.1] * 8, "other": [0.4] * 8})
+    pair = bm.CompilePair("model", c, "eager", "compiled", 12.4, guide=True)
+    row = pair.row()
+    assert row["speed-up"] == "2.00×" and row["the guide's 1.3–2×"] == "within" and row["compile time"] == "12 s"
+    assert "the guide's setting" in row["model"]
+    slow = bm.CompilePair("slow", c, "eager", "other", -1.0)
+    assert slow.row()["compile time"] == "0 s"  # a negative difference of first calls is shown as none
+    assert bm.compile_summary([pair, slow]) == "torch.compile speed-ups from 0.50× (slow) to 2.00× (model)"
+    assert bm.compile_summary([pair]).startswith("torch.compile: 2.00× faster")
+    with pytest.raises(ValueError):
+        bm.compile_summary([])
+
+
+def test_table_row_uses_the_comparisons_numbers():
+    c = _comparison({"guide": [0.2] * 8, "best": [0.1] * 8})
+    row = bm.table_row("GPT-2 generation", c, "guide", "best", "40% of the copy bandwidth", comparable=True,
+                       note="host-bound")
+    assert row["guide's 4090"] == "145" and row["best vs guide setting"] == "2.00× faster"
+    assert row["vs the 4090"].endswith("(host-bound)") and row["limit"] == "40% of the copy bandwidth"
+    same = bm.table_row("GPT-2 generation", c, "guide", "guide", "", comparable=False)
+    assert same["best vs guide setting"] == "— (it is the best)"
+
+
+GENERATED = """
+buf3 = torch.ops.aten._scaled_dot_product_efficient_attention.default(buf0, buf1, buf2, buf9, False)
+buf7 = extern_kernels.mm(buf4, buf5)
+"""
+
+
+def test_attention_in_graph_reads_the_generated_code():
+    assert bm.attention_ops([GENERATED, GENERATED]) == ["_scaled_dot_product_efficient_attention"]
+    assert "memory-efficient" in bm.attention_in_graph([GENERATED])
+    assert "no fused attention" in bm.attention_in_graph(["buf7 = extern_kernels.bmm(buf4, buf5)"])
+    assert "no generated code" in bm.attention_in_graph([])
+    cpu = "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default(q, k, v)"
+    assert "FlashAttention for CPUs" in bm.attention_in_graph([cpu])
+
+
+def test_attention_kernels_and_their_change():
+    eager = _profile([("fmha_cutlassF_f32_aligned_64x64_rf_sm80", 300.0), ("sm90_xmma_gemm", 500.0)])
+    compiled = _profile([("triton_per_fused__softmax_0", 200.0), ("sm90_xmma_gemm", 700.0)])
+    assert list(bm.attention_kernels(eager)) == ["fmha_cutlassF_f32_aligned_64x64_rf_sm80"]
+    text = bm.attention_change(eager, compiled)
+    assert "eager: fmha_cutlassF" in text and "compiled: no attention kernel ran" in text
+
+
+def test_profile_reading_gives_the_verdict_then_the_profiles():
+    c = _comparison({"eager": [0.2] * 8, "compiled": [0.25] * 8})
+    eager = _profile([("fmha_cutlassF", 300.0), ("gemm", 500.0)])
+    compiled = _profile([("triton_softmax", 400.0), ("gemm", 600.0)])
+    lines = bm.profile_reading(c.verdict("compiled"), eager, compiled, names=("eager", "compiled")).splitlines()
+    assert lines[0].startswith("compiled against eager: 1.25× slower") and len(lines) == 3
+    assert "no attention kernel ran" in lines[2]
+
+
+def test_decode_floor_names_the_floor():
+    near = _profile([("gemv", 90.0)] * 10, wall_s=1e-3)
+    assert "near the memory limit" in bm.decode_floor(near, 1e-3, 2.4e12 * 1e-3 * 0.8, 2400)
+    many = _profile([(f"k{i}", 2.0) for i in range(300)], wall_s=1e-3)
+    assert "per-kernel costs" in bm.decode_floor(many, 1e-3, 2.4e12 * 1e-4, 2400)
+    one = _profile([("slow_kernel", 600.0), ("k", 10.0)], wall_s=1e-3)
+    assert "slow_kernel" in bm.decode_floor(one, 1e-3, 2.4e12 * 1e-4, 2400)
+    with pytest.raises(ValueError):
+        bm.decode_floor(one, 0, 1, 1)
+
+
+def test_cross_check_reads_the_other_notebooks_reference_run(tmp_path):
+    entry = {"08_inference": {"run": None, "figures": {"gpt2_tok_s_kv_cache": {"value": 200.0, "unit": "tokens/s"}}}}
+    (tmp_path / "h200.json").write_text(json.dumps(entry))
+    kwargs = dict(notebook="08_inference", figure="gpt2_tok_s_kv_cache", gpu="NVIDIA H200", results_dir=tmp_path)
+    assert bm.cross_check(210.0, **kwargs).endswith("1.05× that — within 20%")
+    assert "one of the two runs was skewed" in bm.cross_check(95.0, **kwargs)
+    assert "nothing to cross-check against" in bm.cross_check(95.0, **(kwargs | {"gpu": "NVIDIA H100 80GB HBM3"}))
+    assert "nothing to cross-check against" in bm.cross_check(95.0, **(kwargs | {"figure": "other"}))
+
+
+def test_guide_chart_draws_the_guide_the_reference_runs_and_this_run(tmp_path):
+    entry = {"09_benchmarks": {"run": None, "figures": {"best": {"value": 6000.0, "unit": "images/s"}}}}
+    (tmp_path / "h200.json").write_text(json.dumps(entry))
+    fig = bm.guide_chart([("ResNet-50", "images/s", {"the guide": 1850}, {"best": "best"})], notebook="09_benchmarks",
+                         results_dir=tmp_path, here="this GPU", recorded={"best": 6100.0})
+    labels = [t.get_text() for t in fig.axes[0].get_yticklabels()]
+    assert labels == ["the guide", "H200, reference run (best)", "this GPU (best)"]
+
+
+def test_first_call_code_returns_what_inductor_generated_without_resetting_dynamo():
+    torch._dynamo.reset()
+    before = torch.compile(lambda x: torch.sin(x) + 1)
+    before(torch.ones(4))
+    after = torch.compile(lambda x: torch.cos(x) * 2)
+    out, code = bm.first_call_code(lambda: after(torch.ones(4)))
+    assert torch.allclose(out, torch.cos(torch.ones(4)) * 2) and code and "cos" in "\n".join(code)
+    frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    before(torch.ones(4))  # still compiled: no new graph
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames
