@@ -164,6 +164,21 @@ def test_scaler_cost_prints_what_it_measured_whatever_the_outcome(rounds, outcom
     assert "GPU work 3 ms → 3.2 ms per step, GPU idle 10 ms → 11 ms; host synchronisations per step 0 → 1" in text
 
 
+def test_step_pace_names_the_side_that_set_the_step():
+    def profile(busy_s, wall_s, on_gpu=True):
+        return SimpleNamespace(busy_s=busy_s, wall_s=wall_s, on_gpu=on_gpu, idle_fraction=1 - busy_s / wall_s)
+
+    tiny = profile(3e-3, 15e-3)  # launch-bound: 80% idle, the host needs 15 ms per step
+    gpu_bound = amp.step_pace("fp32", profile(57e-3, 59e-3), tiny, tiny_label="1 × 64 tokens")
+    assert "GPU work 57" in gpu_bound and "about 15" in gpu_bound and "GPU idle 80%" in gpu_bound
+    assert "the GPU sets" in gpu_bound
+    assert "the two are close" in amp.step_pace("bf16", profile(13.7e-3, 15.5e-3), tiny, tiny_label="1 × 64")
+    assert "the host sets" in amp.step_pace("bf16", profile(8e-3, 16e-3), tiny, tiny_label="1 × 64")
+    busy_tiny = amp.step_pace("bf16", profile(13.7e-3, 15.5e-3), profile(10e-3, 12e-3), tiny_label="1 × 64")
+    assert "no split" in busy_tiny and "sets" not in busy_tiny
+    assert "on a CPU" in amp.step_pace("bf16", profile(0.0, 1.0, on_gpu=False), tiny, tiny_label="1 × 8")
+
+
 def test_scaler_in_a_loop_checks_both_rules_on_cpu():
     rows = amp.scaler_in_a_loop("cpu")
     assert "bit-identical" in rows[0]["result"] and "with the scaler's state" in rows[0]["check"]

@@ -181,3 +181,16 @@ def test_record_overhead_records_the_step_time_cost_with_its_band():
     assert low <= 20.0 <= high
     checkpointing.record_overhead(steps, {"sel_vs_full_pct": "sel"}, against="full")
     assert results.RECORDED["sel_vs_full_pct"].value == pytest.approx(100 * (1.1 / 1.2 - 1))
+
+
+def test_costlier_in_16_bits_flags_a_recompute_that_costs_more_than_fp32s():
+    from utils import bench
+
+    rounds = {"fp32": [60e-3] * 8, "fp32 + ckpt": [69e-3] * 7 + [70e-3], "bf16": [18e-3] * 7 + [18.5e-3],
+              "bf16 + ckpt": [34e-3] * 6 + [33e-3, 35e-3]}
+    steps = bench.Comparison.from_rounds(rounds)
+    text = checkpointing.costlier_in_16_bits(steps, fp32=("fp32", "fp32 + ckpt"), low=("bf16", "bf16 + ckpt"))
+    assert text is not None and "16 ms per step" in text and "9 ms in fp32" in text
+    cheap = dict(rounds, **{"bf16 + ckpt": [21e-3] * 8})  # 3 ms added in 16 bits against 9 ms: as expected
+    steps = bench.Comparison.from_rounds(cheap)
+    assert checkpointing.costlier_in_16_bits(steps, fp32=("fp32", "fp32 + ckpt"), low=("bf16", "bf16 + ckpt")) is None

@@ -109,7 +109,7 @@ def test_compile_cold_runs_checks_in_the_block_and_refuses_a_variant_that_compil
     seen = []
     out = uc.compile_cold({"sin": _counted_step}, checks={"sin": lambda: seen.append("checked")}, expect="soon")
     assert seen == ["checked"] and list(out) == ["sin"] and len(out["sin"].call_s) == 3
-    assert "each from an empty cache: soon" in capsys.readouterr().out
+    assert "each from an empty cache: soon." in capsys.readouterr().out
     x = torch.randn(4)
     with pytest.raises(RuntimeError, match="compiled no graph"):
         uc.compile_cold({"eager": lambda: (lambda: torch.cos(x))})
@@ -141,6 +141,19 @@ def test_payoff_takes_the_step_from_the_comparison_and_counts_break_even():
     assert fast[n] <= eager[n] and fast[0] > eager[0]  # the lines cross at the break-even
     with pytest.raises(KeyError, match="did not time"):
         uc.payoff(p.comparison, {"missing": p.compiled["fast"]})
+
+
+def test_payoff_plot_names_each_break_even_and_marks_where_the_lines_cross():
+    p = _payoff()
+    assert p.legend("fast") == f"fast (pays off after {p.steps('fast'):,})"
+    assert p.legend("slow") == "slow (never pays off)" and p.legend("eager") == "eager"
+    fig = p.plot()
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["eager", p.legend("fast"), p.legend("slow")]
+    dots = [line for line in ax.get_lines() if line.get_marker() == "o"]
+    assert len(dots) == 1 and dots[0].get_xdata()[0] == p.steps("fast")  # only the variant that pays off
+    assert dots[0].get_color() == next(line for line in ax.get_lines() if line.get_label() == p.legend("fast")
+                                       ).get_color()
 
 
 def test_check_outputs_passes_fails_and_refuses_to_have_compared_nothing(capsys):
@@ -282,6 +295,8 @@ def test_payoff_says_unresolved_for_an_inconclusive_or_same_verdict_and_leaves_i
     assert "break-even unresolved" in p.summary("noisy") and "never" not in p.summary("noisy")
     assert "never paid off" in p.summary("slow")
     assert set(p.curves()) == {"eager", "slow"}
+    unresolved = uc.payoff(p.comparison, {k: compiled[k] for k in ("noisy", "same")})
+    assert unresolved.plot() is None and "No plot" in capsys.readouterr().out
 
 
 def test_quiet_autotuning_reads_the_winner_of_every_shape():

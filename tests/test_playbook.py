@@ -262,11 +262,15 @@ def test_profile_change_names_a_host_bound_result():
                            "110 → 110 kernels; GPU idle 17% → 52% of the step: the GPU work shrank 1.82×, but the "
                            "GPU waits for the host 52% of the step (host-bound"), text
     same = playbook.profile_change(nhwc, nhwc, kind="conv")
-    assert same.endswith(": the GPU work did not change") and "(unchanged)" in same and "kernels per step" not in same
+    assert same.endswith(": the GPU work did not change; the GPU's wait for the host went 16.4 ms → 16.4 ms per "
+                         "step: host-bound, the host sets the pace"), same
+    assert "(unchanged)" in same and "kernels per step" not in same
     # under the 5% that counts as a real change: by how much, and which way
     slightly = gpu_profile(31_500, [("sm90_xmma_fprop_implicit_gemm", 10, 254.0), ("bn_fw", 100, 123.0)])
-    assert playbook.profile_change(nhwc, slightly).endswith(": the GPU work shrank by only 2%")
-    assert playbook.profile_change(slightly, nhwc).endswith(": the GPU work did not shrink (it grew 2%)")
+    assert ": the GPU work shrank by only 2%; " in playbook.profile_change(nhwc, slightly)
+    assert ": the GPU work did not shrink (it grew 2%); " in playbook.profile_change(slightly, nhwc)
+    busy = gpu_profile(1000, [("k", 10, 95.0)])  # a GPU that never waits: no word on the host
+    assert playbook.profile_change(busy, busy).endswith(": the GPU work did not change")
     # 5–20%: a shift a short profile cannot resolve, never explained by a cause
     noisy = gpu_profile(1000, [("aten::addmm", 2, 400.0)], on_gpu=False)
     less = gpu_profile(1000, [("aten::addmm", 2, 348.0)], on_gpu=False)
@@ -456,6 +460,12 @@ def test_quiet_stderr_keeps_c_level_writes_out(capfd):
         os.write(2, b"profiler_start\n")
     os.write(2, b"visible\n")
     assert capfd.readouterr().err == "visible\n"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with playbook.quiet_stderr():
+            warnings.warn("Warning: Profiler clears events at the end of each cycle.", UserWarning, stacklevel=1)
+            warnings.warn("another warning", UserWarning, stacklevel=1)
+    assert [str(w.message) for w in caught] == ["another warning"]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -600,10 +610,14 @@ def test_idle_gaps_and_ranges_of_a_step_with_a_forced_host_stall():
     assert longest.duration_us >= 4_000 and longest.inside == "after"
 
 
-def test_a_partial_gain_reads_faster_under_the_promise():
+def test_a_partial_gain_reads_faster_under_the_promise(capsys):
     findings = playbook.Findings()
     findings.measured("tf32", comparison(1.5, ("fp32", "tf32")))
     assert findings["TF32 matmuls"].outcome == "faster, under the promised 3×"
+    # a whole step is not what "3× faster matmuls" promises: no promise to fall short of
+    findings.measured("tf32", comparison(1.5, ("fp32", "tf32")), label="step", promised=False)
+    assert findings["step"].outcome == "faster" and findings["step"].tip.promised_speedup == 3.0
+    assert "promised" not in capsys.readouterr().out.splitlines()[-1]
 
 
 def test_launch_bound_readings_carry_the_hosts_cost_per_launch():
@@ -687,3 +701,50 @@ def test_explain_by_profiles_prints_every_outcome(capsys):
     profiles = playbook.explain_by_profiles(findings, {"k": playbook.ToProfile(steps, c)}, steps=1, progress=False)
     out = capsys.readouterr().out
     assert set(profiles["k"]) == {"a", "b"} and out.startswith("x: no difference > 3% — ") and "operator" in out
+
+
+def test_a_host_paced_change_is_read_from_the_hosts_wait_with_its_cost_per_call():
+    # the MLP under compile: the GPU's work about the same, the step slower; the wait for the host grew
+    eager = gpu_profile(1990, [("vectorized_elementwise_kernel", 33, 3.6)])
+    compiled = gpu_profile(2410, [("triton_poi_fused", 30, 3.5)])
+    text = playbook.profile_change(eager, compiled, launch_us={"ATen op": 11.0, "compiled call": 50.2})
+    assert text.endswith("the GPU's wait for the host went 1.87 ms → 2.3 ms per step: host-bound, the host sets "
+                         "the pace (host per call: ATen op 11 µs, compiled call 50.2 µs on this CPU)"), text
+    # a resolved shrink that leaves the GPU waiting: the remedy, with the host's cost per call beside it
+    nchw = gpu_profile(33_300, [("sm90_xmma_fprop_implicit_gemm", 10, 318.0), ("bn_fw", 100, 243.2)])
+    nhwc = gpu_profile(31_500, [("sm90_xmma_fprop_implicit_gemm", 10, 254.0), ("bn_fw", 100, 125.6)])
+    assert playbook.profile_change(nchw, nhwc, launch_us={"ATen op": 11.0}).endswith(
+        "mode=\"reduce-overhead\"; host per call: ATen op 11 µs on this CPU)")
+    # a loader-fed epoch waits for its batches too: no advice about launches there
+    fed = playbook.profile_change(nchw, nhwc, waits_for="the loader's batches and the step's launches")
+    assert fed.endswith("(host-bound: the GPU waits for the loader's batches and the step's launches)")
+    assert "CUDA graphs" not in fed
+    assert playbook.host_per_call(None) == "" and playbook.host_per_call({}) == ""
+
+
+def test_explain_by_profiles_passes_the_hosts_cost_and_what_the_gpu_waits_for(monkeypatch, capsys):
+    seen = []
+    monkeypatch.setattr(playbook, "profile_change", lambda a, b, **kw: seen.append(kw) or "read")
+    monkeypatch.setattr("utils.profile.profile_steps", lambda step, **kw: gpu_profile(1000, [("k", 1, 1.0)]))
+    c = bench.Comparison.from_rounds({"a": [1e-3] * 6, "b": [1e-3] * 6})
+    findings = playbook.Findings()
+    findings.measured("pinned_memory", c, label="x")
+    pair = playbook.ToProfile({"a": lambda: None, "b": lambda: None}, c, unit="epoch", waits_for="its batches")
+    playbook.explain_by_profiles(findings, {"k": pair}, steps=1, progress=False, launch_us={"ATen op": 9.0})
+    assert seen == [{"kind": None, "launch_us": {"ATen op": 9.0}, "waits_for": "its batches"}]
+    assert capsys.readouterr().out.endswith("x: no difference > 3% — read\n")
+
+
+def test_layout_conversions_put_channels_last_first():
+    # ResNet-50 in NCHW under autocast: 12% of the GPU time converts layouts around cuDNN's NHWC convolutions
+    nchw = gpu_profile(29_000, [("sm90_xmma_fprop_implicit_gemm", 10, 560.0), ("nchwToNhwcKernel", 10, 333.0),
+                                ("bn_fw_tr_1C11_kernel_NCHW", 100, 190.0)])
+    d = playbook.diagnose(nchw, amp=torch.bfloat16)
+    assert d.bound == "GPU-bound" and [t.key for t in d.tips] == ["channels_last", "compile"]
+    assert d.conversions == pytest.approx(0.12, abs=0.01)
+    assert "NCHW↔NHWC layout conversions take 12% of the GPU time → try channels_last" in str(d)
+    nhwc = gpu_profile(29_000, [("sm90_xmma_fprop_implicit_gemm", 10, 560.0), ("bn_fw", 100, 220.0)])
+    assert [t.key for t in playbook.diagnose(nhwc).tips] == ["compile"] and "layout" not in str(playbook.diagnose(nhwc))
+    # a launch-bound step still names fewer launches first
+    idle = gpu_profile(10_000, [("nchwToNhwcKernel", 10, 33.0), ("k", 10, 100.0)])
+    assert playbook.diagnose(idle).tips[0].key == "cuda_graphs"

@@ -247,6 +247,7 @@ def test_op_table_kernels_only_counts_each_kernel_once():
     assert sum(self_device_shares(both)) == pytest.approx(200.0)  # the operator's row repeats its kernel's time
     kernels = profile.op_table(prof, kernels_only=True)
     assert "ampere_sgemm" in kernels and "aten::mm" not in kernels and "my_range" not in kernels
+    assert "CPU" not in kernels  # a kernel's row has no CPU time: no empty CPU columns
     assert sum(self_device_shares(kernels)) == pytest.approx(100.0)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as cpu_prof:
         torch.randn(8, 8) @ torch.randn(8, 8)
@@ -317,3 +318,21 @@ def test_host_syncs_counts_waits_for_the_gpu_and_restores_the_mode():
     assert profile.host_syncs(lambda: [(a @ a).sum().item() for _ in range(3)], device="cuda") == 3
     assert profile.host_syncs(lambda: (a @ a).sum().backward(), device="cuda") == 0
     assert torch.cuda.get_sync_debug_mode() == 0
+
+
+@pytest.mark.parametrize(("name", "readable"), [
+    ("void at::native::elementwise_kernel<128, 4, at::native::gpu_kernel_impl_nocast<at::native::"
+     "direct_copy_kernel_cuda(at::TensorIteratorBase&)::{lambda()#3}> >(int)",
+     "elementwise_kernel (direct_copy_kernel_cuda)"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>, at::detail::Array<char*, 1> >"
+     "(int, at::native::FillFunctor<float>, at::detail::Array<char*, 1>)",
+     "vectorized_elementwise_kernel (FillFunctor)"),
+    ("void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float, float, float>(float*, float const*, int)",
+     "cunn_SoftMaxForward"),
+    ("triton_poi_fused_add_gelu_0", "triton_poi_fused_add_gelu_0"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_execute_segment_k_off_kernel",
+     "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroup…"),
+])
+def test_a_kernel_name_is_cut_to_what_it_does(name, readable):
+    """A templated ATen kernel's table name keeps its functor, not 70 characters of templates."""
+    assert profile.readable_kernel_name(name) == readable

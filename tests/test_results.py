@@ -12,7 +12,12 @@ from utils import results
 def test_record_keeps_and_prints_the_figure(capsys):
     results.record("copy_gbps", 1234.5, "GB/s")
     assert results.RECORDED["copy_gbps"] == results.Result("copy_gbps", 1234.5, "GB/s")
-    assert "copy_gbps = 1234 GB/s" in capsys.readouterr().out.replace("1.234e+03", "1234")
+    assert "copy_gbps = 1,234 GB/s" in capsys.readouterr().out
+
+
+def test_a_figure_prints_four_digits_with_thousands_separated():
+    assert [results.figure(x) for x in (0.5, 12.345, 987.65, 4231.2, 1.2e6)] == ["0.5", "12.35", "987.6", "4,231",
+                                                                                "1,200,000"]
 
 
 def test_record_accepts_tensor_scalars():
@@ -79,6 +84,6 @@ def test_a_recorded_line_gives_the_limit_with_its_unit():
     from utils.results import Result
 
     rate = Result("copy_gbps", 3000.0, "GB/s", None, 3350.0, "datasheet bandwidth")
-    assert str(rate).endswith("90% of datasheet bandwidth (3350 GB/s)")
+    assert str(rate).endswith("90% of datasheet bandwidth (3,350 GB/s)")
     time = Result("epoch_s", 0.3, "s", None, 6.4e-05, "fp32 matmul rate")
     assert str(time).endswith("0.021% of fp32 matmul rate: 6.4e-05 s at it")

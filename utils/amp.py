@@ -154,10 +154,13 @@ def plot_against_fp16(values: Mapping[str, torch.Tensor], *, title: str):
                label="fp16 subnormal (fewer significant bits)")
     ax.axvspan(math.log10(_F16.smallest_normal), math.log10(_F16.max), color="#55A868", alpha=0.15,
                label="fp16 normal range")
+    highest = 0.0
     for name, tensor in values.items():
         bin_edges, share = log10_histogram(tensor, *edges)
         ax.stairs(share, bin_edges, label=name, linewidth=1.6)
-    ax.set(xlabel="|gradient| (log10)", ylabel="share of non-zero entries (%)", title=title, xlim=edges)
+        highest = max(highest, *share)
+    ax.set(xlabel="|gradient| (log10)", ylabel="share of non-zero entries (%)", title=title, xlim=edges,
+           ylim=(0, 1.6 * max(highest, 1.0)))  # headroom: the legend sits above the histograms, not on them
     ax.legend(fontsize=8, loc="upper right")
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -386,6 +389,37 @@ def record_steps(steps: Comparison, names: Mapping[str, str],
         peak = (memory or {}).get(variant, {}).get("peak_bytes")
         if peak:
             results.record(f"peak_mem_gib_{name}", peak / 2**30, "GiB")
+
+
+#: A step's GPU work and the host's time to issue it within this factor of each other: both set the step's time.
+PACE_MARGIN = 1.5
+#: The GPU idle share above which a tiny step's time is taken as the host's time to issue the step.
+LAUNCH_BOUND_IDLE = 0.5
+
+
+def step_pace(name: str, step, tiny, *, tiny_label: str) -> str:
+    """Which side set a step's time on a GPU: the GPU's work, or the host's time to issue the step's kernels.
+
+    ``step``: the :class:`utils.profile.StepProfile` of the step (``wall_s``: its time per call from the comparison;
+    ``busy_s``: its GPU work). ``tiny``: the profile of the same code on a tiny batch (``tiny_label``, e.g.
+    "1 × 64 tokens"), where the GPU idles (at least :data:`LAUNCH_BOUND_IDLE` of the step). Its time per step is
+    then what the host needs to issue the step, which barely depends on the tensors' sizes. The larger of the two
+    sets the step's time; within :data:`PACE_MARGIN` of each other, both do, and a slower or busier CPU makes the
+    step slower. That is why a 16-bit step's speed-up over a GPU-bound fp32 step changes with the host."""
+    if not step.on_gpu:
+        return f"{name}: on a CPU the host does the work itself; there is no GPU work to set apart."
+    gpu, host = step.busy_s, tiny.wall_s
+    measured = (f"{name}: GPU work {format_seconds(gpu)} of its {format_seconds(step.wall_s)} step; the host needs "
+                f"about {format_seconds(host)} to issue one (the {tiny_label} step, GPU idle {tiny.idle_fraction:.0%})")
+    if tiny.idle_fraction < LAUNCH_BOUND_IDLE:
+        return f"{measured}. That tiny step kept the GPU busy, so its time is not the host's alone: no split here."
+    if gpu >= PACE_MARGIN * host:
+        return f"{measured}: the GPU sets this step's time; a slower host would not change it."
+    if host >= PACE_MARGIN * gpu:
+        return (f"{measured}: the host sets this step's time; fewer launches (CUDA graphs, torch.compile) would "
+                "shorten it, faster kernels would not.")
+    return (f"{measured}: the two are close, so the host sets this step's time as much as the GPU; a slower or "
+            "busier CPU makes it slower.")
 
 
 def scaler_cost(verdict: Verdict, without, scaled, *, syncs: tuple[int, int]) -> str:

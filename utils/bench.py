@@ -51,6 +51,7 @@ import torch
 
 from utils.env import GpuConditions, get_device, gpu_conditions, synchronize
 from utils.profile import assert_not_profiled
+from utils.results import figure
 
 T = TypeVar("T")
 
@@ -940,7 +941,7 @@ class Rate:
     notes: dict[str, object] = field(default_factory=dict)
 
     def __str__(self) -> str:
-        text = f"{self.name}: {self.value:.4g} {self.unit} ({format_seconds(self.timing.median_s)} per call)"
+        text = f"{self.name}: {figure(self.value)} {self.unit} ({format_seconds(self.timing.median_s)} per call)"
         if self.conditions is not None and self.conditions.samples:
             text += f"; {self.conditions}"
         return text

@@ -246,3 +246,26 @@ def record_overhead(comparison: Any, figures: dict[str, str], *, against: str | 
         v = comparison.verdict(variant, against=against)
         low, high = v.band
         results.record(name, 100 * (1 / v.speedup - 1), "%", band=(100 * (1 / high - 1), 100 * (1 / low - 1)))
+
+
+def costlier_in_16_bits(comparison: Any, *, fp32: tuple[str, str], low: tuple[str, str]) -> str | None:
+    """Checkpointing's added time per step under 16-bit autocast against in fp32, from one comparison's rounds.
+
+    ``fp32`` and ``low``: (without, with) checkpointing, each a pair of variants of ``comparison``. The recompute
+    runs the same layers in both, and their 16-bit matmuls are faster, so it should add no more time in 16 bits
+    than in fp32. Returns a sentence with both added times when the 16-bit one is resolvably larger (its band,
+    from :class:`utils.bench.Verdict`, lies wholly above fp32's), else None. A profile then shows where the time
+    went: a step that waits on the host pays every relaunched kernel of the recompute in full."""
+    from utils.bench import format_seconds
+
+    def added(pair: tuple[str, str]) -> tuple[float, float, float]:
+        without, with_ = pair
+        verdict, base = comparison.verdict(with_, against=without), comparison.time_s(without)
+        lo, hi = verdict.band
+        return base * (1 / verdict.speedup - 1), base * (1 / hi - 1), base * (1 / lo - 1)
+
+    (full, _, full_high), (half, half_low, _) = added(fp32), added(low)
+    if half_low <= full_high:
+        return None
+    return (f"checkpointing added {format_seconds(half)} per step under 16-bit autocast, against "
+            f"{format_seconds(full)} in fp32, though its recomputed matmuls ran in 16 bits")

@@ -326,7 +326,9 @@ def compile_cold(makers: Mapping[str, Callable[[], Callable[[], object]]], *, ca
             recording and first replay.
         checks: label → ``check()``, run in that variant's block after its first calls (so that a check that
             compiles the same graphs loads them from the block's cache), its log messages kept out of the output.
-        expect: the expected wait, printed before the progress bar ("about 10–40 s per variant on a GPU").
+        expect: the expected wait, printed before the progress bar ("about 10–40 s per variant on a GPU"). Inductor
+            compiles its kernels on the CPU cores this process may use (``utils.env.usable_cpus``): fewer cores take
+            longer, so say which count the estimate assumes. The bar names the variant compiling now.
 
     After every variant the compile workers are shut down and the garbage collected
     (:func:`utils.compile_cache.quiesce`), so that nothing of the compiles slows what is timed next.
@@ -344,7 +346,9 @@ def compile_cold(makers: Mapping[str, Callable[[], Callable[[], object]]], *, ca
     print(f"Compiling {len(makers)} variant{'s' * (len(makers) != 1)}, each from an empty cache"
           + (f": {expect}" if expect else "") + ".")
     out: dict[str, Compiled] = {}
-    for label, make in tqdm(makers.items(), desc="compiling, cold", total=len(makers), leave=False):
+    bar = tqdm(makers.items(), desc="compiling, cold", total=len(makers), leave=False)
+    for label, make in bar:
+        bar.set_postfix_str(label)
         with cold(keep_compiled=True):
             out[label] = first_calls(label, make, calls=calls, device=device)
             if label in checks:
@@ -460,14 +464,36 @@ class Payoff:
                 out[label] = (xs, [self.cost_s(label) + n * self.step_s(label) for n in xs])
         return out
 
+    def legend(self, label: str) -> str:
+        """A line's name in the plot: 'model only (pays off after 2,313)', 'regional (never pays off)'."""
+        if label not in self.compiled:
+            return label
+        n = self.steps(label)
+        return f"{label} (pays off after {n:,})" if n is not None else f"{label} (never pays off)"
+
     def plot(self, title: str = "Cumulative time, compile included"):
+        """Eager's cumulative time and each resolved variant's, compile included, on log axes, up to 64 times the
+        latest break-even; a dot marks where a variant pays off, and its legend says after how many steps. None, and
+        a line saying why, where no variant's break-even is resolved."""
         from utils.plot import curves
 
         left_out = [label for label in self.compiled if not self.resolved(label)]
+        if left_out and len(left_out) == len(self.compiled):
+            print(f"No plot: no break-even is resolved ({', '.join(left_out)}), so eager's line would be alone")
+            return None
         if left_out:
             print(f"Not drawn (break-even unresolved): {', '.join(left_out)}")
-        return curves(self.curves(), xlabel=_plural(self.unit), ylabel="cumulative time, compile included (s)",
-                      logx=True, logy=True, markers=False, legend_outside=True, title=title)
+        latest = max((self.steps(label) or 1 for label in self.compiled), default=1)
+        series = self.curves(max_steps=2 ** min(max(math.ceil(math.log2(64 * latest)), 10), 24))
+        fig = curves({self.legend(label): xy for label, xy in series.items()}, xlabel=_plural(self.unit),
+                     ylabel="cumulative time, compile included (s)", logx=True, logy=True, markers=False,
+                     legend_outside=True, title=title)
+        for i, label in enumerate(series):  # curves() colours the lines C0, C1, ... in this order
+            n = self.steps(label) if label in self.compiled else None
+            if n is not None:
+                fig.axes[0].plot([n], [self.cost_s(label) + n * self.step_s(label)], "o", color=f"C{i % 10}",
+                                 markersize=6, zorder=3)
+        return fig
 
 
 def payoff(comparison, compiled: Mapping[str, Compiled], *, unit: str = "step") -> Payoff:

@@ -37,7 +37,7 @@ import os
 import re
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
@@ -147,6 +147,7 @@ class Diagnosis:
     per_kernel_us: float = 0.0  # the step's time over its kernels (operators on a CPU): the host's cost only where
     # the step is launch-bound; the host's own cost per call is ``launch_us``, measured apart
     launch_us: tuple[tuple[str, float], ...] = ()  # host µs per call measured apart (e.g. ATen's and Inductor's)
+    conversions: float = 0.0  # the share of the busy time spent converting between NCHW and NHWC (GPU)
 
     @property
     def host_note(self) -> str:
@@ -154,9 +155,8 @@ class Diagnosis:
         host: "50 µs of step time per kernel; host per call: ATen op 4.2 µs, compiled call 11.8 µs on this CPU" —
         what a reader on a faster CPU can scale by."""
         what = "kernel" if self.on_gpu else "operator"
-        apart = ", ".join(f"{name} {format_seconds(us / 1e6)}" for name, us in self.launch_us)
-        return (f"{format_seconds(self.per_kernel_us / 1e6)} of step time per {what}"
-                + (f"; host per call: {apart} on this CPU" if apart else ""))
+        apart = host_per_call(dict(self.launch_us))
+        return f"{format_seconds(self.per_kernel_us / 1e6)} of step time per {what}" + (f"; {apart}" if apart else "")
 
     @property
     def tip(self) -> Tip | None:
@@ -179,6 +179,8 @@ class Diagnosis:
                           f"the {'GPU' if self.on_gpu else 'operator'} time")
         if self.bound == "partly launch-bound" and self.largest not in ("launch", "overhead"):
             where += f", and the GPU waits for the host {self.idle:.0%} of the step"
+        if self.conversions >= LAYOUT_CONVERSION_SHARE:
+            where += f"; NCHW↔NHWC layout conversions take {self.conversions:.0%} of the GPU time"
         if self.bound in ("launch-bound", "partly launch-bound", "overhead-bound") and self.per_kernel_us > 0:
             where += f" ({self.host_note})"
         if not self.tips:
@@ -205,10 +207,11 @@ def diagnose(profile: StepProfile, *, amp: torch.dtype | None = None, tf32: bool
     least a fifth of the time is partly launch-bound: when its idle time is longer than the time of any kind of
     kernel, the idle time is the largest item and fewer launches come first (then the tips for its largest kind of
     kernel); otherwise the kind of kernel with the most GPU time decides, with CUDA graphs added to its tips. A step
-    idle less than that is GPU-bound: its largest kind of kernel decides. On a CPU "idle" is Python and dispatch
-    between operators:
-    at least half of the step → overhead-bound (compile); otherwise the largest kind of operator decides, and only
-    tips that exist on a CPU are named.
+    idle less than that is GPU-bound: its largest kind of kernel decides. Where the kind of kernel decides and
+    NCHW↔NHWC layout conversions (cuDNN's ``nchwToNhwcKernel``, ...) take :data:`LAYOUT_CONVERSION_SHARE` of the GPU
+    time or more, ``channels_last`` comes first: the convolutions' inputs arrive in the other layout. On a CPU "idle"
+    is Python and dispatch between operators: at least half of the step → overhead-bound (compile); otherwise the
+    largest kind of operator decides, and only tips that exist on a CPU are named.
 
     Raises:
         TypeError: for anything but a StepProfile.
@@ -221,8 +224,10 @@ def diagnose(profile: StepProfile, *, amp: torch.dtype | None = None, tf32: bool
     share = kinds[largest] / busy if busy > 0 else 0.0
     idle = profile.idle_fraction
     gpu = profile.on_gpu
+    converting = sum(k.duration_us for k in profile.kernels if LAYOUT_CONVERSION.search(k.name)) / 1e6 / profile.steps
+    conversions = converting / busy if gpu and busy > 0 else 0.0
     host = {"per_kernel_us": profile.wall_s * 1e6 / profile.kernels_per_step if profile.kernels else 0.0,
-            "launch_us": tuple((launch_us or {}).items())}
+            "launch_us": tuple((launch_us or {}).items()), "conversions": conversions}
 
     def tips(bottleneck: str) -> tuple[str, ...]:
         keys = TIPS_FOR[bottleneck]
@@ -239,6 +244,8 @@ def diagnose(profile: StepProfile, *, amp: torch.dtype | None = None, tf32: bool
             keys = tips("launch") + tuple(k for k in tips(largest) if k not in TIPS_FOR["launch"])
             return Diagnosis("partly launch-bound", "launch", idle, _tips(keys), True, idle, **host)
         keys = tips(largest) + (("cuda_graphs",) if idle >= 0.2 else ())
+        if conversions >= LAYOUT_CONVERSION_SHARE:  # the convolutions' inputs arrive in NCHW: channels_last first
+            keys = ("channels_last",) + tuple(k for k in keys if k != "channels_last")
         bound = "partly launch-bound" if idle >= 0.2 else "GPU-bound"
         return Diagnosis(bound, largest, share, _tips(keys), True, idle, no_tip, **host)
     if idle >= 0.5:
@@ -250,10 +257,24 @@ def _tips(keys: Sequence[str]) -> tuple[Tip, ...]:
     return tuple(TIPS[k] for k in keys)
 
 
+def host_per_call(launch_us: Mapping[str, float] | None) -> str:
+    """"host per call: ATen op 4.2 µs, compiled call 11.8 µs on this CPU" from host µs per call measured apart
+    (e.g. a tiny kernel's ``x + 1`` timed on the host's clock alone); "" for none — what a reader whose CPU is
+    faster or slower scales a host-bound reading by."""
+    if not launch_us:
+        return ""
+    return "host per call: " + ", ".join(f"{name} {format_seconds(us / 1e6)}" for name, us in launch_us.items()) + \
+        " on this CPU"
+
+
+#: The share of a step's GPU time in NCHW↔NHWC conversions from which :func:`diagnose` names channels_last first.
+LAYOUT_CONVERSION_SHARE = 0.05
+
 UNRESOLVED = 1.2  # a change of the busy work under 20% is not read as a cause: a few-step profile is that noisy
 
 
-def profile_change(before: StepProfile, after: StepProfile, *, kind: str | None = None) -> str:
+def profile_change(before: StepProfile, after: StepProfile, *, kind: str | None = None,
+                   launch_us: Mapping[str, float] | None = None, waits_for: str | None = None) -> str:
     """What changed between the profiles of two variants of a step, in measured numbers — the time of one class of
     kernels (``kind``: 'conv', 'matmul', 'attention' or 'other'; see :func:`time_by_class`), the device's busy
     time, kernels per step and the idle share — followed by what it means when the second step's device did less
@@ -262,10 +283,18 @@ def profile_change(before: StepProfile, after: StepProfile, *, kind: str | None 
     20% (:data:`UNRESOLVED`) is "unresolved by a 2-step profile", never a cause (a few steps profiled are that
     noisy, above all operators on a CPU); a class of kernels whose time changed by under 0.5% is "(unchanged)".
 
+    Where the GPU's work did not change resolvably but the GPU waits for the host a fifth of the step or more, the
+    reading goes on with that wait, before → after ("the GPU's wait for the host went 1.87 ms → 2.31 ms per step:
+    host-bound, the host sets the pace"): what a change of the step's time then comes from. Every host-bound reading
+    carries the host's cost per call measured apart (``launch_us``, e.g. ``{"ATen op": 11.0, "compiled call":
+    50.2}``; :func:`host_per_call`), so that a reader on a faster or slower CPU can scale it. ``waits_for`` says what
+    the GPU waits for when it is not only launches ("the loader's batches and the step's launches"); the default
+    names fewer launches as the remedy (CUDA graphs, ``mode="reduce-overhead"``).
+
     e.g. "conv kernels 3.18 ms → 2.54 ms per step (1.25× faster); GPU busy 27.5 ms → 15.1 ms, 999 → 927 kernels;
     GPU idle 17% → 52% of the step: the GPU work shrank 1.82×, but the GPU waits for the host 52% of the step
     (host-bound: only fewer launches would shorten it further — CUDA graphs, or torch.compile's
-    mode="reduce-overhead")".
+    mode="reduce-overhead"; host per call: ATen op 11 µs on this CPU)".
 
     Raises:
         TypeError: for anything but two StepProfiles.
@@ -279,6 +308,7 @@ def profile_change(before: StepProfile, after: StepProfile, *, kind: str | None 
     unit, gpu = after.unit, after.on_gpu
     work, waiting = ("GPU", "the GPU waits for the host") if gpu else (
         "operator", "Python and dispatch between operators take")
+    host = host_per_call(launch_us)
     parts = []
     if kind is not None:
         k0, k1 = time_by_class(before)[kind], time_by_class(after)[kind]
@@ -297,17 +327,30 @@ def profile_change(before: StepProfile, after: StepProfile, *, kind: str | None 
     if shrank < 1.05:  # under 5%: said as it is, by how much and which way
         return text + (f": the {work} work did not change" if f"{abs(change):.0%}" == "0%" else
                        f": the {work} work shrank by only {-change:.0%}" if change < 0 else
-                       f": the {work} work did not shrink (it grew {change:.0%})")
+                       f": the {work} work did not shrink (it grew {change:.0%})") + _host_wait(before, after, host)
     if shrank < UNRESOLVED:  # a shift a short profile cannot tell from its own noise: no cause is read into it
         steps = min(before.steps, after.steps)
         return text + (f": the {work} work shrank {-change:.0%}, unresolved by a {steps}-step profile (a shift "
-                       f"under {UNRESOLVED - 1:.0%} can be the profile's own noise)")
+                       f"under {UNRESOLVED - 1:.0%} can be the profile's own noise)") + _host_wait(before, after, host)
     if after.idle_fraction >= 0.2:
-        remedy = (" (host-bound: only fewer launches would shorten it further — CUDA graphs, or torch.compile's "
-                  "mode=\"reduce-overhead\")") if gpu else ""
+        remedy = ""
+        if gpu:
+            why = (f"the GPU waits for {waits_for}" if waits_for else "only fewer launches would shorten it further "
+                   "— CUDA graphs, or torch.compile's mode=\"reduce-overhead\"")
+            remedy = f" (host-bound: {why}" + (f"; {host}" if host else "") + ")"
         return (text + f": the {work} work shrank {_ratio(shrank)}, but {waiting} {after.idle_fraction:.0%} of the "
                        f"{unit}{remedy}")
     return text
+
+
+def _host_wait(before: StepProfile, after: StepProfile, host: str) -> str:
+    """"; the GPU's wait for the host went 1.87 ms → 2.31 ms per step: host-bound, the host sets the pace (host per
+    call: ...)" for a GPU step that waits for the host a fifth of the time or more (before or after); else ""."""
+    if not after.on_gpu or max(before.idle_fraction, after.idle_fraction) < 0.2:
+        return ""
+    bound = ": host-bound, the host sets the pace" if after.idle_fraction >= 0.5 else ""
+    return (f"; the GPU's wait for the host went {format_seconds(before.idle_s)} → {format_seconds(after.idle_s)} "
+            f"per {after.unit}{bound}" + (f" ({host})" if host else ""))
 
 
 def _ratio(x: float) -> str:
@@ -394,7 +437,8 @@ class Findings:
 
     def measured(self, key: str, result: Comparison | Verdict, *, variant: str | None = None,
                  against: str | None = None, label: str | None = None, expected: Expected = "faster",
-                 workload: str | None = None, unexpected: str | None = None, **reasons: str) -> Finding:
+                 workload: str | None = None, unexpected: str | None = None, promised: bool = True,
+                 **reasons: str) -> Finding:
         """Record a timed claim and print its verdict, with the measured reason given for the outcome it had.
 
         ``result`` is a :class:`utils.bench.Comparison` (``variant``: which of its variants, default the last;
@@ -403,7 +447,9 @@ class Findings:
         ``reasons`` are keyed by outcome, as :meth:`utils.bench.Verdict.explain` takes them, so that a printed
         reason always matches the result; ``unexpected`` is the reason for each resolved outcome other than
         ``expected``, the outcome the tip promises ("slower" for a cost). ``workload`` names the model it was
-        measured on, if any (see :meth:`measured_for`).
+        measured on, if any (see :meth:`measured_for`). ``promised=False`` for a measurement the tip's promised
+        number is not about (TF32 promises 3× faster *matmuls*; a whole step gains only as much as its matmuls
+        weigh): its outcome is then never "under the promised 3×".
 
         Raises:
             TypeError: for a result that is neither a Comparison nor a Verdict.
@@ -417,7 +463,7 @@ class Findings:
             verdict, comparison = result, None
         else:
             raise TypeError(f"measured() takes a utils.bench.Comparison or Verdict, got {type(result).__name__}")
-        held = holds(verdict, tip, expected)
+        held = holds(verdict, tip if promised else replace(tip, promised_speedup=None), expected)
         line = verdict.explain(**_reasons(expected, unexpected, reasons))
         print(line + (f" ({held.removeprefix('partly: faster, but ')})" if held.startswith("partly") else ""))
         return self._add(Finding(tip, label or tip.name, measured_text(verdict), held, verdict, workload, comparison,
@@ -678,11 +724,15 @@ def idle_gaps(kernels: Sequence[Kernel], *, ranges: Sequence[tuple[str, float, f
 @contextlib.contextmanager
 def quiet_stderr() -> Iterator[None]:
     """Keep what C++ writes to stderr (the profiler's 'profiler_start/stop' lines, a CPU-only machine's failed GPU
-    count) out of the notebook, for the duration of the block. Python exceptions are unaffected."""
+    count) out of the notebook, for the duration of the block, and the profiler's own Python warning that it
+    "clears events at the end of each cycle" (PyTorch 2.10–2.11 give it to every first session; it is not the
+    reader's concern). Python exceptions and every other warning are unaffected."""
     saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 2)
     try:
-        yield
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*Profiler clears events")
+            yield
     finally:
         os.dup2(saved, 2)
         os.close(saved)
@@ -914,14 +964,18 @@ class ToProfile:
     kind: str | None = None
     unit: str = "step"
     profiled_steps: int | None = None
+    waits_for: str | None = None  # what the GPU waits for when it waits for the host, where not only launches
 
 
 def explain_by_profiles(findings: Findings, pairs: Mapping[str, ToProfile], *, steps: int = 5,
-                        progress: bool = True) -> dict[str, dict[str, StepProfile]]:
+                        progress: bool = True, launch_us: Mapping[str, float] | None = None,
+                        ) -> dict[str, dict[str, StepProfile]]:
     """Profile every comparison's variants (:func:`utils.profile.profile_steps`, against the time the comparison
     measured for each) and print, for every finding whose verdict came from that comparison, its verdict and what
     changed between the two profiles (:func:`profile_change`) — whatever the outcome, so that a gain, a null and an
-    inconclusive result are all read against the GPU's work. Returns the profiles, key → variant → StepProfile.
+    inconclusive result are all read against the GPU's work. ``launch_us``: the host's µs per call measured apart
+    (``{"ATen op": 11.0}``), printed beside every host-bound reading. Returns the profiles, key → variant →
+    StepProfile.
 
     Call it after every timing of the process: a profile slows host-bound code after it, and ``utils.bench``
     refuses to time once one has run.
@@ -941,7 +995,8 @@ def explain_by_profiles(findings: Findings, pairs: Mapping[str, ToProfile], *, s
         for f in findings:
             v = f.verdict
             if f.comparison is pair.comparison and {v.baseline, v.variant} <= out[key].keys():
-                reading = profile_change(out[key][v.baseline], out[key][v.variant], kind=pair.kind)
+                reading = profile_change(out[key][v.baseline], out[key][v.variant], kind=pair.kind,
+                                         launch_us=launch_us, waits_for=pair.waits_for)
                 print(f"{f.label}: {f.measured} — {reading}")
     return out
 

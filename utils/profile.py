@@ -41,6 +41,31 @@ from utils.env import get_device, synchronize
 _SESSIONS: list[str] = []
 
 
+
+#: Words of a kernel's template arguments that say nothing about what it does.
+_GENERIC_WORDS = {"native", "detail", "cutlass", "lambda", "operator", "const", "TensorIteratorBase", "Array",
+                  "BFloat16", "Half", "float", "char", "unsigned", "long", "bool", "double", "Params", "void", "std",
+                  "size_t"}
+
+
+def readable_kernel_name(name: str, width: int = 70) -> str:
+    """A kernel's name short enough for a table, keeping what says what it does.
+
+    A templated ATen kernel (``void at::native::elementwise_kernel<128, 4, ...direct_copy_kernel_cuda...>(...)``)
+    becomes its own name and the functor it runs (``elementwise_kernel (direct_copy_kernel_cuda)``); other names
+    (cuBLAS, cuDNN, Triton) are kept, cut at ``width`` characters with an ellipsis."""
+    text = name.removeprefix("void ").replace("(anonymous namespace)::", "").strip()
+    cut = min((i for i in (text.find("<"), text.find("(")) if i > 0), default=-1)
+    if cut > 0:
+        base = text[:cut].split("::")[-1]
+        words = [w for w in re.findall(r"[A-Za-z_]\w{3,}", text[cut:])
+                 if w != base and w not in _GENERIC_WORDS and not w.startswith("gpu_kernel_impl")]
+        telling = [w for w in words if re.search(r"kernel_cuda|Functor|_op$|Op$|cutlass_|xmma|gemm|conv", w)]
+        inner = telling or words
+        text = f"{base} ({inner[0]})" if inner else base
+    return text if len(text) <= width else text[:width - 1] + "…"
+
+
 class ProfiledProcessError(RuntimeError):
     """A timing was asked for after a profiler session ran in this process."""
 
@@ -86,8 +111,10 @@ def session(**options):
         print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=8))
     """
     mark_profiled("utils.profile.session")
-    with profile(**options) as prof:
-        yield prof
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*Profiler clears events")  # torch 2.11: not our concern
+        with profile(**options) as prof:
+            yield prof
 
 #: Kernel and operator names of matrix multiplies: cuBLAS/cuBLASLt (gemm, nvjet, xmma, cutlass), Triton matmul
 #: templates, and the ATen operators on a CPU.
@@ -203,7 +230,7 @@ class StepProfile:
             calls[k.name] += 1
         busy_us = sum(total.values()) or 1.0
         what = "kernel" if self.on_gpu else "operator"
-        return [{what: name if len(name) <= 70 else name[:67] + "...",
+        return [{what: readable_kernel_name(name),
                  f"calls per {self.unit}": f"{calls[name] / self.steps:.3g}",
                  f"time per {self.unit}": _format_us(us / self.steps), "share of busy": f"{us / busy_us:.0%}",
                  "kind": kind_of(name)}
@@ -407,6 +434,19 @@ def op_table(prof: profile, *, row_limit: int = 10, max_name_column_width: int =
     averages = prof.key_averages()
     averages[:] = [a for a in averages if not getattr(a, "is_user_annotation", False)
                    and (not kernels_only or a.device_type != DeviceType.CPU)]
+    if kernels_only:  # the device's rows only: their CPU columns would be empty, so a table of device time alone
+        rows = sorted(averages, key=lambda a: a.self_device_time_total, reverse=True)
+        total_us = sum(a.self_device_time_total for a in rows) or 1.0
+        width = max_name_column_width
+        header = f"{'Name':<{width}}  {'Self CUDA':>10}  {'Self CUDA %':>11}  {'# of Calls':>10}  {'CUDA avg':>9}"
+        lines = ["-" * len(header), header, "-" * len(header)]
+        for a in rows[:row_limit]:
+            name = a.key if len(a.key) <= width else a.key[:width - 3] + "..."
+            lines.append(f"{name:<{width}}  {_format_us(a.self_device_time_total):>10}  "
+                         f"{a.self_device_time_total / total_us:>11.2%}  {a.count:>10}  "
+                         f"{_format_us(a.self_device_time_total / max(a.count, 1)):>9}")
+        lines += ["-" * len(header), f"Self CUDA time total: {_format_us(total_us)}"]
+        return "\n".join(lines)
     return averages.table(sort_by="self_device_time_total" if on_gpu else "self_cpu_time_total", row_limit=row_limit,
                           max_name_column_width=max_name_column_width)
 

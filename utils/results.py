@@ -24,6 +24,11 @@ _NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 TIME_UNITS = ("s", "ms", "µs", "ns")
 
 
+def figure(x: float) -> str:
+    """A measured figure as the course prints it: four significant digits, thousands separated from 1,000 up."""
+    return f"{x:,.0f}" if abs(x) >= 1000 else f"{x:.4g}"
+
+
 @dataclass(frozen=True)
 class Result:
     """One recorded headline figure, with the band it was measured with and the limit measured beside it."""
@@ -53,16 +58,16 @@ class Result:
         return out
 
     def __str__(self) -> str:
-        text = f"recorded {self.name} = {self.value:.4g} {self.unit}"
+        text = f"recorded {self.name} = {figure(self.value)} {self.unit}"
         if self.band is not None:
-            text += f" (band {self.band[0]:.4g}–{self.band[1]:.4g})"
+            text += f" (band {figure(self.band[0])}–{figure(self.band[1])})"
         if self.limit is not None:
             pct = self.percent_of_limit
             text += f", {pct:.0f}%" if pct >= 10 else f", {pct:.2g}%"
             if self.unit in TIME_UNITS:  # the limit of a time is the least time the work takes at that rate
-                text += f" of {self.limit_name}: {self.limit:.4g} {self.unit} at it"
+                text += f" of {self.limit_name}: {figure(self.limit)} {self.unit} at it"
             else:
-                text += f" of {self.limit_name} ({self.limit:.4g} {self.unit})"
+                text += f" of {self.limit_name} ({figure(self.limit)} {self.unit})"
         return text
 
 
