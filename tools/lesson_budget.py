@@ -27,7 +27,8 @@ BUDGET: dict[str, float] = {"chars": 35_000, "prose": 12_000, "words/sentence": 
 #: Notebooks rewritten as lessons: a test holds them to every row of the budget.
 LESSONS = {"00_install_check", "01_device_management", "02_training_loop", "03_mixed_precision", "04_torch_compile",
            "04b_compile_in_depth", "05_memory", "07_performance_playbook", "07b_launch_bound", "06_custom_kernels",
-           "08_inference", "08b_serving", "09_benchmarks", "09b_inference_benchmarks", "10_multi_gpu"}
+           "08_inference", "08b_serving", "08c_quantization", "09_benchmarks", "09b_inference_benchmarks",
+           "10_multi_gpu"}
 #: A kernel may run to 40 lines (DESIGN.md): cells whose first line carries this marker get that allowance.
 KERNEL_MARK = "@triton.jit"
 KERNEL_MAX_LINES = 40

@@ -35,6 +35,9 @@
   timing for the rest of a run (``import utils.isolate``: notebook 08's prototype steps)
 - ``inference`` what notebooks 08 and 08b measure around serving GPT-2: child deadlines by cores, the AOTInductor
   gate and report, the Hugging Face child's comparison, the batch sweep (``import utils.inference``)
+- ``quantization`` notebook 08c's measuring: GPT-2 sizes by device, weight bytes, the decode sweep bf16 against int8,
+  logits against fp32 (a broken quantization raises), perplexity, torchao's gate, fp8 recipes and sweep
+  (``import utils.quantization``)
 - ``benchmarks`` the guide's benchmark table (notebooks 09 and 09b): its rows, checks against fp32, the compile row,
   attention in a compiled graph, cross-checks between notebooks (``import utils.benchmarks``)
 """
