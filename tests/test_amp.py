@@ -81,6 +81,10 @@ def test_train_alike_passes_close_curves_and_fails_a_stray_one():
     stray = amp.train_alike({"fp32": fp32, "fp16": [v + 0.5 for v in fp32]})
     with pytest.raises(AssertionError, match="fp16 did not train like fp32"):
         stray.check()
+    tied = amp.train_alike({"fp32": fp32, "fp16": [v + 0.0141 for v in fp32], "bf16": [v + 0.0139 for v in fp32],
+                            "tf32": fp32})
+    assert "(the farthest, fp16 and bf16, each 0.014)" in tied.check()  # equal as printed: no single farthest
+    assert "(the farthest, bf16, 0.010)" in close.check()
     assert "nothing was compared" in amp.train_alike({"fp32": fp32}).check()  # a check that checked nothing says so
     with pytest.raises(ValueError, match="same number of steps"):
         amp.train_alike({"fp32": fp32, "bf16": fp32[:10]})
@@ -124,7 +128,7 @@ def test_same_gradients_accepts_the_chunked_loss_and_rejects_a_wrong_one():
     plain = lambda: train.lm_loss(model(x), y)  # noqa: E731
     text = amp.same_gradients(model, {"plain": plain, "chunked": lambda: train.chunked_lm_loss(
         model.features(x), model.head, y, chunk_tokens=8)}, amp_dtype=torch.bfloat16)
-    assert text.startswith("loss: plain") and "from plain's" in text
+    assert text.startswith("loss: plain") and "from plain's (relative; within 0.02: checked)" in text
     with pytest.raises(AssertionError, match="twice differs from plain"):
         amp.same_gradients(model, {"plain": plain, "twice": lambda: 2 * plain()}, amp_dtype=torch.bfloat16)
 
@@ -165,8 +169,9 @@ def test_scaler_cost_prints_what_it_measured_whatever_the_outcome(rounds, outcom
 
 
 def test_step_pace_names_the_side_that_set_the_step():
-    def profile(busy_s, wall_s, on_gpu=True):
-        return SimpleNamespace(busy_s=busy_s, wall_s=wall_s, on_gpu=on_gpu, idle_fraction=1 - busy_s / wall_s)
+    def profile(busy_s, wall_s, on_gpu=True, kernels=500):
+        return SimpleNamespace(busy_s=busy_s, wall_s=wall_s, on_gpu=on_gpu, idle_fraction=1 - busy_s / wall_s,
+                               kernels_per_step=kernels)
 
     tiny = profile(3e-3, 15e-3)  # launch-bound: 80% idle, the host needs 15 ms per step
     gpu_bound = amp.step_pace("fp32", profile(57e-3, 59e-3), tiny, tiny_label="1 × 64 tokens")
@@ -177,6 +182,11 @@ def test_step_pace_names_the_side_that_set_the_step():
     busy_tiny = amp.step_pace("bf16", profile(13.7e-3, 15.5e-3), profile(10e-3, 12e-3), tiny_label="1 × 64")
     assert "no split" in busy_tiny and "sets" not in busy_tiny
     assert "on a CPU" in amp.step_pace("bf16", profile(0.0, 1.0, on_gpu=False), tiny, tiny_label="1 × 8")
+    # a full step with more kernels than the tiny one: the tiny step's time is only a lower bound on the host's
+    tiny_fewer = profile(2e-3, 10e-3, kernels=400)
+    more = amp.step_pace("bf16", profile(16e-3, 17e-3, kernels=800), tiny_fewer, tiny_label="1 × 64")
+    assert "at least 10" in more and "400 kernels to this step's 800" in more and "the two are close" in more
+    assert "the GPU sets" in amp.step_pace("bf16", profile(31e-3, 32e-3, kernels=800), tiny_fewer, tiny_label="1×64")
 
 
 def test_scaler_in_a_loop_checks_both_rules_on_cpu():

@@ -507,3 +507,12 @@ def test_a_table_orders_variants_as_their_speed_ups_do():
         assert (lo, hi) == pytest.approx((c.time_s("seed") / c.verdict(name).band[1],
                                           c.time_s("seed") / c.verdict(name).band[0]))
     assert c.time_band_s("seed") == c.timings["seed"].quartiles_s
+
+
+def test_a_median_near_one_prints_with_the_digits_of_its_band():
+    """'1.00×, band 0.995–0.998×' put the rounded median outside its own band (04b's review)."""
+    from utils.bench import Verdict
+    same = Verdict("symbolic", "specialised", 0.9964, (0.995, 0.998), 0.03, 12)
+    assert same.text == "no difference larger than 3% (0.996×, band 0.995–0.998×)"
+    unresolved = Verdict("a", "b", 1.004, (0.97, 1.05), 0.03, 12)
+    assert "(1.004×, band 0.97–1.05×, 12 rounds)" in unresolved.text

@@ -319,3 +319,22 @@ def test_check_outputs_gives_the_unit_and_names_a_bound_set_by_its_floor(capsys)
     uc.check_outputs({"x": a}, {"x": a}, {"x": a * (1 + 1e-6)})
     out = capsys.readouterr().out
     assert "‖a − b‖ / ‖b‖" in out and "bound of x is mostly its 0.001 floor" in out
+
+
+def test_the_graphs_reason_gives_the_bound_the_idle_time_sets():
+    """CUDA graphs remove only the GPU's idle time: the reason states wall / busy as the bound and says whether the
+    timed speed-up sits within it (04b's reduce-overhead against default)."""
+    from types import SimpleNamespace
+
+    from utils.bench import Verdict
+    waits = SimpleNamespace(on_gpu=True, wall_s=2.0e-3, busy_s=1.6e-3, idle_s=0.4e-3, idle_fraction=0.2,
+                            unit="forward pass")
+    within = Verdict("reduce-overhead", "default", 1.2, (1.15, 1.24), 0.03, 12)
+    assert uc.graphs_bound_reason(waits, within).endswith("at most 1.25×: the gain is within that bound")
+    above = Verdict("reduce-overhead", "default", 1.5, (1.4, 1.6), 0.03, 12)
+    assert "above that bound" in uc.graphs_bound_reason(waits, above)
+    slower = Verdict("reduce-overhead", "default", 0.8, (0.75, 0.85), 0.03, 12)
+    assert uc.graphs_bound_reason(waits, slower).endswith("cost more host time than it removed")
+    unresolved = Verdict("reduce-overhead", "default", 1.1, (0.9, 1.3), 0.03, 12)
+    assert uc.graphs_bound_reason(waits, unresolved).endswith("at most 1.25×")
+    assert "CPU" in uc.graphs_bound_reason(SimpleNamespace(on_gpu=False), within)

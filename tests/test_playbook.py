@@ -260,7 +260,7 @@ def test_profile_change_names_a_host_bound_result():
     text = playbook.profile_change(nchw, nhwc, kind="conv")
     assert text.startswith("conv kernels 3.18 ms → 2.54 ms per step (1.25× faster); GPU busy 27.5 ms → 15.1 ms, "
                            "110 → 110 kernels; GPU idle 17% → 52% of the step: the GPU work shrank 1.82×, but the "
-                           "GPU waits for the host 52% of the step (host-bound"), text
+                           "GPU waits for the host 52% of the step (host-bound in these rounds"), text
     same = playbook.profile_change(nhwc, nhwc, kind="conv")
     assert same.endswith(": the GPU work did not change; the GPU's wait for the host went 16.4 ms → 16.4 ms per "
                          "step: host-bound, the host sets the pace"), same
@@ -713,11 +713,15 @@ def test_a_host_paced_change_is_read_from_the_hosts_wait_with_its_cost_per_call(
     # a resolved shrink that leaves the GPU waiting: the remedy, with the host's cost per call beside it
     nchw = gpu_profile(33_300, [("sm90_xmma_fprop_implicit_gemm", 10, 318.0), ("bn_fw", 100, 243.2)])
     nhwc = gpu_profile(31_500, [("sm90_xmma_fprop_implicit_gemm", 10, 254.0), ("bn_fw", 100, 125.6)])
-    assert playbook.profile_change(nchw, nhwc, launch_us={"ATen op": 11.0}).endswith(
-        "mode=\"reduce-overhead\"; host per call: ATen op 11 µs on this CPU)")
-    # a loader-fed epoch waits for its batches too: no advice about launches there
+    shrunk = playbook.profile_change(nchw, nhwc, launch_us={"ATen op": 11.0})
+    assert shrunk.endswith("(host-bound in these rounds: the GPU waited for the host, whose pace can vary within a "
+                           "run; host per call: ATen op 11 µs on this CPU)"), shrunk
+    # no cure is asserted: the host's pace varies within a run, and a profile cannot say what would remove the wait
+    assert "only fewer launches" not in shrunk and "CUDA graphs" not in shrunk and "reduce-overhead" not in shrunk
+    # a loader-fed epoch waits for its batches too
     fed = playbook.profile_change(nchw, nhwc, waits_for="the loader's batches and the step's launches")
-    assert fed.endswith("(host-bound: the GPU waits for the loader's batches and the step's launches)")
+    assert fed.endswith("(host-bound in these rounds: the GPU waited for the loader's batches and the step's "
+                        "launches)")
     assert "CUDA graphs" not in fed
     assert playbook.host_per_call(None) == "" and playbook.host_per_call({}) == ""
 
@@ -748,3 +752,29 @@ def test_layout_conversions_put_channels_last_first():
     # a launch-bound step still names fewer launches first
     idle = gpu_profile(10_000, [("nchwToNhwcKernel", 10, 33.0), ("k", 10, 100.0)])
     assert playbook.diagnose(idle).tips[0].key == "cuda_graphs"
+
+
+def test_a_tip_measured_slower_on_the_step_is_named_last_and_marked():
+    # the launch-bound MLP: default-mode compile measured slower in this run, CUDA graphs faster
+    launch_bound = gpu_profile(1000, [("vectorized_elementwise_kernel", 20, 5.0)])
+    findings = playbook.Findings()
+    findings.measured("compile", comparison(0.87, ("eager", "compiled")), label="torch.compile · MLP",
+                      workload="MLP")
+    findings.measured("cuda_graphs", comparison(13.9, ("eager", "graphed")), label="CUDA graphs · MLP",
+                      workload="MLP")
+    d = playbook.diagnose(launch_bound, findings=findings, workload="MLP")
+    assert [t.key for t in d.tips] == ["cuda_graphs", "fused_optimizer", "compile"] and d.slower == ("compile",)
+    assert str(d).endswith("; also fused optimizer, torch.compile (measured slower here)"), str(d)
+    assert d.tip_name() == "CUDA graphs" and d.tip_name(playbook.TIPS["compile"]).endswith("(measured slower here)")
+    # measured on another workload only, or faster somewhere on this one: named as before
+    assert playbook.diagnose(launch_bound, findings=findings, workload="Transformer").slower == ()
+    findings.measured("compile", comparison(1.3, ("eager", "max-autotune")), label="torch.compile · MLP, tuned",
+                      workload="MLP")
+    assert playbook.diagnose(launch_bound, findings=findings, workload="MLP").slower == ()
+    # the only tip measured slower: still named first, marked in its line
+    other = gpu_profile(1000, [("vectorized_elementwise_kernel", 10, 90.0)])
+    only = playbook.Findings()
+    only.measured("compile", comparison(0.8, ("eager", "compiled")), label="c", workload="X")
+    d = playbook.diagnose(other, findings=only, workload="X")
+    assert d.tip.key == "compile" and "(torch.compile(model); measured slower here)" in str(d)
+    assert playbook.diagnose(other).tip_name() == "torch.compile"

@@ -353,7 +353,7 @@ def test_readme_results_one_row_per_headline_one_column_per_gpu(tmp_path, monkey
     assert "| # | Notebook | H200 | H100 |" in text  # the reference GPU first
     rows = {line.split(" | ")[0]: line for line in text.splitlines() if line.startswith("| 0")}
     h200 = "bf16 matmul 778 burst / 665 sustained TFLOP/s (67% of the bf16 datasheet peak) · copy 4,262 GB/s"
-    assert f" | {h200} | bf16 matmul — burst / — sustained TFLOP/s · copy 3,011 GB/s † |" in rows["| 00"]
+    assert f" | {h200} | copy 3,011 GB/s † |" in rows["| 00"]  # a part this run did not measure is left out
     assert f"| {h200} |" in text.split("<!-- notebooks:end -->")[0]  # the notebook table: the H200's headline
     # a time against its floor: floor / time; a GPU without the headline's figures: "—"
     assert ("epoch 0.210 s → 0.0067 s (same batch) → 0.0014 s (50% of the arithmetic floor) at 95.0% test accuracy"

@@ -66,7 +66,7 @@ NOTEBOOKS: dict[str, tuple[str, str]] = {
         "inference {compile_speedup_infer_best:.2f}× (best mode)",
     ),
     "05_memory": (
-        "what fills GPU memory, how to see it (snapshots), and the techniques that fit 4× the batch",
+        "what fills GPU memory, how to see it (snapshots), and the techniques that fit a larger batch",
         "peak {peak_mem_gib_baseline:.1f} → {peak_mem_gib_combined:.1f} GiB · in 16 GiB: batch "
         "{max_batch_16gib_baseline:.0f} → {max_batch_16gib_combined:.0f}",
     ),
@@ -234,8 +234,26 @@ def headline(stem: str, figures: dict[str, dict[str, object]] | None, *, gpus: i
     found = results_of(figures)
     if not set(headline_figures(stem)) & set(found):
         return NOT_RUN
-    text = NOTEBOOKS[stem][1].format_map(_Figures({name: _Shown(r) for name, r in found.items()}))
+    text = _present_parts(NOTEBOOKS[stem][1], set(found)).format_map(
+        _Figures({name: _Shown(r) for name, r in found.items()}))
     return (f"on {gpus} GPUs: " if gpus > 1 else "") + text
+
+
+def _fields(fmt: str) -> set[str]:
+    return {field.split(".")[0] for _, field, _, _ in string.Formatter().parse(fmt) if field}
+
+
+def _present_parts(fmt: str, found: set[str]) -> str:
+    """A headline's format without the parts this run did not measure: a " · " segment none of whose figures was
+    recorded, and a ", " part after a segment's first whose figures were not all recorded (a run on 2 GPUs has no
+    4-GPU figure). A segment's first part stays, with "—" where a figure is missing, so no label loses its prefix."""
+    segments = []
+    for segment in fmt.split(" · "):
+        if _fields(segment) and not _fields(segment) & found:
+            continue
+        first, *rest = segment.split(", ")
+        segments.append(", ".join([first, *(part for part in rest if _fields(part) <= found)]))
+    return " · ".join(segments)
 
 
 def notebook_title(path: Path) -> str:

@@ -234,10 +234,12 @@ class TrainAlike:
             raise AssertionError(f"{', '.join(bad)} did not train like {self.reference}: "
                                  + "; ".join(f"{n}: gap {self.gap(n):.3f} nats, final {self.final_change(n):+.2%}"
                                              for n in bad))
-        worst = max(others, key=self.gap)
+        farthest = f"{max(self.gap(n) for n in others):.3f}"
+        tied = [n for n in others if f"{self.gap(n):.3f}" == farthest]  # equal as printed: a tie, not one farthest
+        names = f"{tied[0]}," if len(tied) == 1 else f"{', '.join(tied[:-1])} and {tied[-1]}, each"
         who = {1: f"{others[0]} trains", 2: "Both variants train"}.get(len(others), f"All {len(others)} variants train")
         return (f"{who} like {self.reference}: every smoothed curve stays within "
-                f"{self.max_gap} nats of it (the farthest, {worst}, {self.gap(worst):.3f}) and every final loss "
+                f"{self.max_gap} nats of it (the farthest, {names} {farthest}) and every final loss "
                 f"within {self.max_final:.0%}.")
 
     def plot(self, *, floor: float | None = None, title: str):
@@ -349,7 +351,8 @@ def same_gradients(model: torch.nn.Module, losses: Mapping[str, Callable[[], tor
         if not error < tolerance or not torch.allclose(values[name], values[first], rtol=2e-3, atol=2e-3):
             raise AssertionError(f"{name} differs from {first}: loss {values[name].item():.5f} against "
                                  f"{values[first].item():.5f}, gradients {error:.1e} apart (relative)")
-        parts.append(f"{name} {values[name].item():.5f}, gradients {error:.1e} from {first}'s (relative)")
+        parts.append(f"{name} {values[name].item():.5f}, gradients {error:.1e} from {first}'s (relative; within "
+                     f"{tolerance:g}: checked)")
     return f"loss: {first} {values[first].item():.5f}; " + "; ".join(parts)
 
 
@@ -403,21 +406,29 @@ def step_pace(name: str, step, tiny, *, tiny_label: str) -> str:
     ``step``: the :class:`utils.profile.StepProfile` of the step (``wall_s``: its time per call from the comparison;
     ``busy_s``: its GPU work). ``tiny``: the profile of the same code on a tiny batch (``tiny_label``, e.g.
     "1 × 64 tokens"), where the GPU idles (at least :data:`LAUNCH_BOUND_IDLE` of the step). Its time per step is
-    then what the host needs to issue the step, which barely depends on the tensors' sizes. The larger of the two
-    sets the step's time; within :data:`PACE_MARGIN` of each other, both do, and a slower or busier CPU makes the
-    step slower. That is why a 16-bit step's speed-up over a GPU-bound fp32 step changes with the host."""
+    then what the host needs to issue the tiny step, which barely depends on the tensors' sizes. A full step may
+    launch more kernels (cuBLAS and reductions split large work), so the tiny step's time is a lower bound on the
+    host's; at the tiny step's time per kernel, the full step's kernels give an upper estimate. The GPU sets the
+    step's time when its work exceeds that estimate by :data:`PACE_MARGIN`; the host does when the lower bound
+    exceeds the GPU work by as much; between the two, both do, and a slower or busier CPU makes the step slower.
+    That is why a 16-bit step's speed-up over a GPU-bound fp32 step changes with the host."""
     if not step.on_gpu:
         return f"{name}: on a CPU the host does the work itself; there is no GPU work to set apart."
     gpu, host = step.busy_s, tiny.wall_s
-    measured = (f"{name}: GPU work {format_seconds(gpu)} of its {format_seconds(step.wall_s)} step; the host needs "
-                f"about {format_seconds(host)} to issue one (the {tiny_label} step, GPU idle {tiny.idle_fraction:.0%})")
+    kernels, tiny_kernels = step.kernels_per_step, tiny.kernels_per_step
+    host_most = host * kernels / tiny_kernels if kernels > tiny_kernels else host  # at the tiny step's per kernel
+    needs = (f"at least {format_seconds(host)} to issue it (the {tiny_label} step, GPU idle {tiny.idle_fraction:.0%}; "
+             f"{tiny_kernels:.0f} kernels to this step's {kernels:.0f})" if host_most > host else
+             f"about {format_seconds(host)} to issue one (the {tiny_label} step, GPU idle {tiny.idle_fraction:.0%})")
+    measured = (f"{name}: GPU work {format_seconds(gpu)} of its {format_seconds(step.wall_s)} step; "
+                f"the host needs {needs}")
     if tiny.idle_fraction < LAUNCH_BOUND_IDLE:
         return f"{measured}. That tiny step kept the GPU busy, so its time is not the host's alone: no split here."
-    if gpu >= PACE_MARGIN * host:
+    if gpu >= PACE_MARGIN * host_most:
         return f"{measured}: the GPU sets this step's time; a slower host would not change it."
     if host >= PACE_MARGIN * gpu:
-        return (f"{measured}: the host sets this step's time; fewer launches (CUDA graphs, torch.compile) would "
-                "shorten it, faster kernels would not.")
+        return (f"{measured}: the host sets this step's time; fewer launches (CUDA graphs, for one) can "
+                "shorten it, faster kernels cannot.")
     return (f"{measured}: the two are close, so the host sets this step's time as much as the GPU; a slower or "
             "busier CPU makes it slower.")
 

@@ -271,6 +271,12 @@ def ratio_text(x: float) -> str:
     return f"{x:.2f}×" if x >= 0.1 else f"{x:.2g}×"
 
 
+def _near_one_text(x: float) -> str:
+    """A ratio with three decimals near 1, so that a band that excludes 1 never reads "1.00", and a median prints
+    with the digits of its band."""
+    return f"{x:.3f}×" if 0.99 <= x <= 1.01 and x != 1 else ratio_text(x)
+
+
 # ── The verdict of a comparison ────────────────────────────────────────────────────────────────────────────
 
 Outcome = Literal["faster", "slower", "same", "inconclusive"]
@@ -314,10 +320,7 @@ class Verdict:
         if self.outcome == "slower":
             lo, hi = 1 / hi, 1 / lo
 
-        def end(x: float) -> str:  # three decimals near 1, so that a band that excludes 1 never reads "1.00"
-            return f"{x:.3f}×" if 0.99 <= x <= 1.01 and x != 1 else ratio_text(x)
-
-        return f"band {end(lo).rstrip('×')}–{end(hi)}"
+        return f"band {_near_one_text(lo).rstrip('×')}–{_near_one_text(hi)}"
 
     @property
     def short(self) -> str:
@@ -338,8 +341,8 @@ class Verdict:
         if outcome in ("faster", "slower"):
             return f"{self.short} ({self.band_text})"
         if outcome == "same":
-            return f"no difference larger than {self.resolution:.0%} ({ratio_text(self.speedup)}, {self.band_text})"
-        return (f"could not resolve a {self.resolution:.0%} effect here ({ratio_text(self.speedup)}, "
+            return f"no difference larger than {self.resolution:.0%} ({_near_one_text(self.speedup)}, {self.band_text})"
+        return (f"could not resolve a {self.resolution:.0%} effect here ({_near_one_text(self.speedup)}, "
                 f"{self.band_text}, {self.rounds} rounds)")
 
     def explain(self, **reasons: str) -> str:

@@ -496,6 +496,30 @@ class Payoff:
         return fig
 
 
+def graphs_bound_reason(waits, verdict) -> str:
+    """Why CUDA graphs gained what they did, from a profile of the step without them (``waits``, a
+    :class:`utils.profile.StepProfile`) and the timed :class:`utils.bench.Verdict` of the step with them against it.
+
+    Graphs remove only the time the GPU waits for the host, so replaying can be at most ``wall / busy`` times faster.
+    The reason says that bound, and whether the timed speed-up sits within it: a band wholly above it means the
+    profiled pass waited less than the timed ones, so the profile does not explain the gain."""
+    from utils.bench import format_seconds
+
+    if not waits.on_gpu:
+        return "on a CPU there are no kernel launches for CUDA graphs to remove"
+    bound = waits.wall_s / waits.busy_s if waits.busy_s > 0 else math.inf
+    text = (f"without graphs the GPU was idle {waits.idle_fraction:.0%} of the {waits.unit} "
+            f"({format_seconds(waits.idle_s)}); removing all of it gives at most {bound:.2f}×")
+    if verdict.outcome == "slower":
+        return f"{text}; replaying cost more host time than it removed"
+    if verdict.band[0] > bound:
+        return (f"{text}, yet the timed gain is above that bound: the profiled {waits.unit} waited less than the "
+                "timed ones, so this profile does not explain the gain")
+    if verdict.outcome == "faster":
+        return f"{text}: the gain is within that bound"
+    return text
+
+
 def payoff(comparison, compiled: Mapping[str, Compiled], *, unit: str = "step") -> Payoff:
     """The compile cost and break-even of every compiled variant, from ``comparison`` (a
     :class:`utils.bench.Comparison` whose baseline is eager and which timed every variant of ``compiled``).

@@ -18,13 +18,14 @@ shared by notebooks 07 and 07b; :func:`same_first_step` checks a variant's first
 :func:`explain_by_profiles` profiles every comparison's variants after all timings and prints what changed.
 
 :func:`diagnose` reads a :class:`utils.profile.StepProfile`: a step whose GPU waits for the host at least half the
-time is *launch-bound* and gains from fewer launches (CUDA graphs, fused optimizers, compile), and so is, partly, a
-step whose idle time outlasts every kind of kernel; otherwise the kind of kernel that takes the most GPU time names
-the tip (convolutions: ``channels_last`` and ``cudnn.benchmark``; fp32 matmuls: TF32 where the GPU has it, else bf16
-or fp16 autocast — none for a step whose matmuls already run in 16 bits under autocast; attention: a fused SDPA
-backend; elementwise and reductions: ``torch.compile``'s fusion). On a CPU only the tips that exist there
-are named. Kernels are put down to ``record_function`` ranges by when the host launched them (:func:`range_totals`),
-which is right for backward too, whose kernels autograd launches from threads of its own.
+time is *launch-bound* and gains from fewer launches (CUDA graphs, fused optimizers; compile where it measured
+faster), and so is, partly, a step whose idle time outlasts every kind of kernel; otherwise the kind of kernel that
+takes the most GPU time names the tip (convolutions: ``channels_last`` and ``cudnn.benchmark``; fp32 matmuls: TF32
+where the GPU has it, else bf16 or fp16 autocast — none for a step whose matmuls already run in 16 bits under
+autocast; attention: a fused SDPA backend; elementwise and reductions: ``torch.compile``'s fusion). On a CPU only
+the tips that exist there are named. Given the run's findings, a tip measured slower on that step comes last, marked
+so. Kernels are put down to ``record_function`` ranges by when the host launched them (:func:`range_totals`), which
+is right for backward too, whose kernels autograd launches from threads of its own.
 """
 
 from __future__ import annotations
@@ -148,6 +149,7 @@ class Diagnosis:
     # the step is launch-bound; the host's own cost per call is ``launch_us``, measured apart
     launch_us: tuple[tuple[str, float], ...] = ()  # host µs per call measured apart (e.g. ATen's and Inductor's)
     conversions: float = 0.0  # the share of the busy time spent converting between NCHW and NHWC (GPU)
+    slower: tuple[str, ...] = ()  # keys of the tips this run measured slower on this step: named last, marked so
 
     @property
     def host_note(self) -> str:
@@ -185,12 +187,22 @@ class Diagnosis:
             where += f" ({self.host_note})"
         if not self.tips:
             return f"{self.bound}: {where} → no tip of this playbook applies: {self.no_tip}"
-        first, rest = self.tips[0], ", ".join(t.name for t in self.tips[1:])
-        return (f"{self.bound}: {where} → try {first.name} ({first.how})" + (f"; also {rest}" if rest else ""))
+        first, rest = self.tips[0], ", ".join(self.tip_name(t) for t in self.tips[1:])
+        how = first.how + ("; measured slower here" if first.key in self.slower else "")
+        return f"{self.bound}: {where} → try {first.name} ({how})" + (f"; also {rest}" if rest else "")
+
+    def tip_name(self, tip: Tip | None = None) -> str:
+        """The name of ``tip`` (default: the first tip), with " (measured slower here)" where this run measured it
+        slower on this step; "nothing to try" where there is no tip."""
+        tip = tip or self.tip
+        if tip is None:
+            return "nothing to try"
+        return tip.name + (" (measured slower here)" if tip.key in self.slower else "")
 
 
 def diagnose(profile: StepProfile, *, amp: torch.dtype | None = None, tf32: bool = True,
-             launch_us: Mapping[str, float] | None = None) -> Diagnosis:
+             launch_us: Mapping[str, float] | None = None, findings: Findings | None = None,
+             workload: str | None = None) -> Diagnosis:
     """The largest bottleneck of a profiled step and the tips that address it.
 
     Every reading of a step that waits for the host (launch-bound, partly launch-bound, overhead-bound) carries the
@@ -213,9 +225,28 @@ def diagnose(profile: StepProfile, *, amp: torch.dtype | None = None, tf32: bool
     is Python and dispatch between operators: at least half of the step → overhead-bound (compile); otherwise the
     largest kind of operator decides, and only tips that exist on a CPU are named.
 
+    ``findings`` and ``workload`` (the step's model, as its findings name it): a tip this run timed on that
+    workload and measured slower, never faster (e.g. default-mode compile on a launch-bound MLP), is named last and
+    marked "(measured slower here)" (:attr:`Diagnosis.slower`): the diagnosis never recommends, unmarked, what the
+    same run measured slower.
+
     Raises:
         TypeError: for anything but a StepProfile.
     """
+    d = _diagnose(profile, amp=amp, tf32=tf32, launch_us=launch_us)
+    if findings is None or workload is None:
+        return d
+    slower = tuple(t.key for t in d.tips if _measured_slower(findings.timed_on(t.key, workload)))
+    return replace(d, tips=tuple(sorted(d.tips, key=lambda t: t.key in slower)), slower=slower)
+
+
+def _measured_slower(found: Sequence[Finding]) -> bool:
+    outcomes = {f.verdict.outcome for f in found}
+    return "slower" in outcomes and "faster" not in outcomes
+
+
+def _diagnose(profile: StepProfile, *, amp: torch.dtype | None, tf32: bool,
+              launch_us: Mapping[str, float] | None) -> Diagnosis:
     if not isinstance(profile, StepProfile):
         raise TypeError(f"diagnose() reads a utils.profile.StepProfile, got {type(profile).__name__}")
     kinds = time_by_class(profile)
@@ -288,13 +319,14 @@ def profile_change(before: StepProfile, after: StepProfile, *, kind: str | None 
     host-bound, the host sets the pace"): what a change of the step's time then comes from. Every host-bound reading
     carries the host's cost per call measured apart (``launch_us``, e.g. ``{"ATen op": 11.0, "compiled call":
     50.2}``; :func:`host_per_call`), so that a reader on a faster or slower CPU can scale it. ``waits_for`` says what
-    the GPU waits for when it is not only launches ("the loader's batches and the step's launches"); the default
-    names fewer launches as the remedy (CUDA graphs, ``mode="reduce-overhead"``).
+    the GPU waits for when it is not only launches ("the loader's batches and the step's launches"). A host-bound
+    reading names no cure: the host's pace varies with the process's state (the same step can wait far less in
+    another part of the same run), and a profile cannot say which host work a remedy would remove.
 
     e.g. "conv kernels 3.18 ms → 2.54 ms per step (1.25× faster); GPU busy 27.5 ms → 15.1 ms, 999 → 927 kernels;
     GPU idle 17% → 52% of the step: the GPU work shrank 1.82×, but the GPU waits for the host 52% of the step
-    (host-bound: only fewer launches would shorten it further — CUDA graphs, or torch.compile's
-    mode="reduce-overhead"; host per call: ATen op 11 µs on this CPU)".
+    (host-bound in these rounds: the GPU waited for the host, whose pace can vary within a run; host per call:
+    ATen op 11 µs on this CPU)".
 
     Raises:
         TypeError: for anything but two StepProfiles.
@@ -335,9 +367,9 @@ def profile_change(before: StepProfile, after: StepProfile, *, kind: str | None 
     if after.idle_fraction >= 0.2:
         remedy = ""
         if gpu:
-            why = (f"the GPU waits for {waits_for}" if waits_for else "only fewer launches would shorten it further "
-                   "— CUDA graphs, or torch.compile's mode=\"reduce-overhead\"")
-            remedy = f" (host-bound: {why}" + (f"; {host}" if host else "") + ")"
+            why = f"the GPU waited for {waits_for}" if waits_for else (
+                "the GPU waited for the host, whose pace can vary within a run")
+            remedy = f" (host-bound in these rounds: {why}" + (f"; {host}" if host else "") + ")"
         return (text + f": the {work} work shrank {_ratio(shrank)}, but {waiting} {after.idle_fraction:.0%} of the "
                        f"{unit}{remedy}")
     return text
