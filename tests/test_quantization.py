@@ -247,3 +247,51 @@ def test_the_notebooks_int8_kernel_in_tritons_interpreter():
                           cwd=root, capture_output=True, text=True, timeout=300,
                           env={**__import__("os").environ, "PYTHONPATH": str(root)})
     assert done.returncode == 0 and "kernel ok" in done.stdout, done.stderr[-2000:]
+
+
+def test_copies_past_l2_stream_the_weights_from_memory():
+    assert uq.copies_past_l2(20 << 20, "cpu") == 1  # no L2 to get past on a CPU: one layer
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(uq, "get_device", lambda d=None: torch.device("cuda"))
+        copies = uq.copies_past_l2(20_480_000, "cuda", l2_bytes=50 << 20)  # GPT-2 XL's 1600→6400 in bf16, 50 MB L2
+        assert copies * 20_480_000 >= 4 * (50 << 20) > (copies - 1) * 20_480_000
+        assert uq.copies_past_l2(1 << 30, "cuda", l2_bytes=4 << 20) == 1  # a layer far larger than the L2
+
+
+def test_streamed_layers_run_every_copy_of_every_layer_on_cpu():
+    torch.manual_seed(0)
+    layer = nn.Linear(32, 16).to(torch.bfloat16)
+    calls = []
+
+    class Counted(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            calls.append(id(self))
+            return self.inner(x)
+
+    x = torch.randn(1, 32, dtype=torch.bfloat16)
+    timed, how = uq.streamed_layers({"bf16": Counted(layer), "int8": Counted(Int8Linear(layer))}, x, 3, device="cpu")
+    assert set(timed) == {"bf16", "int8"} and "3 copies" in how and "launched from Python" in how
+    timed["bf16"]()
+    assert len(calls) == 3 and len(set(calls)) == 3  # three separate copies, each called once
+    timed["int8"]()
+    assert len(calls) == 6
+    assert "one layer per call" in uq.streamed_layers({"a": layer}, x, 1, device="cpu")[1]
+
+
+def test_error_rows_name_the_baseline():
+    reference = torch.randn(4, 10)
+    errors = uq.check_logits({"fp16": reference.half(), "int8": reference + 1e-3}, reference)
+    assert "× fp16's error" in uq.error_rows({"m": errors}, "fp16")[0]
+
+
+def test_decode_sweep_in_another_16_bit_type():
+    sweep = uq.decode_sweep({"tiny": gpt2.GPT2Config.tiny()}, {"fp16": lambda m: m, "int8": quantize_linears},
+                            device="cpu", dtype=torch.float16, new_tokens=4, rounds=2, min_run_time=0.02,
+                            progress=False)
+    (size,) = sweep.sizes
+    assert sweep.baseline == "fp16" and size.weights["fp16"] == gpt2.count_parameters(gpt2.GPT2(size.config)) * 2
+    assert "× fp16's error" in sweep.accuracy_rows()[0]

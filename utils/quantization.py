@@ -188,14 +188,14 @@ def check_logits(logits: Mapping[str, torch.Tensor], reference: torch.Tensor, *,
     return out
 
 
-def error_rows(errors: Mapping[str, Mapping[str, LogitsError]]) -> list[dict[str, object]]:
-    """Table rows: per model (outer key) and variant, the relative error against fp32, its ratio to bf16's and the
-    top-1 agreement."""
+def error_rows(errors: Mapping[str, Mapping[str, LogitsError]], baseline: str = "bf16") -> list[dict[str, object]]:
+    """Table rows: per model (outer key) and variant, the relative error against fp32, its ratio to the baseline's
+    (bf16's, or fp16's where the GPU has no bf16) and the top-1 agreement."""
     rows = []
     for model, by_variant in errors.items():
         for name, e in by_variant.items():
             rows.append({"model": model, "variant": name, "logits vs fp32 (relative)": f"{e.relative_error:.2e}",
-                         "× bf16's error": f"{e.ratio:.2f}×", "top-1 = fp32's": f"{e.top1_agreement:.0%}"})
+                         f"× {baseline}'s error": f"{e.ratio:.2f}×", "top-1 = fp32's": f"{e.top1_agreement:.0%}"})
     return rows
 
 
@@ -303,7 +303,7 @@ class DecodeSweep:
         return rows
 
     def accuracy_rows(self) -> list[dict[str, object]]:
-        return error_rows({s.name: s.errors for s in self.sizes})
+        return error_rows({s.name: s.errors for s in self.sizes}, self.baseline)
 
     def verdicts(self) -> list[str]:
         """Per size and variant: the verdict against the baseline with its reason from the bytes and the yardstick."""
@@ -381,18 +381,20 @@ def decode_sweep(
     rounds: int | None = None,
     min_run_time: float = 1.0,
     seed: int = 0,
+    dtype: torch.dtype = torch.bfloat16,
     progress: bool = True,
 ) -> DecodeSweep:
     """Batch-1 greedy decoding of GPT-2 at every size of ``configs``, every variant timed together per size.
 
-    Per size: a GPT-2 with GPT-2's random initialisation (seeded) is built in fp32 on ``device``; its bf16 copy is
-    handed to each function of ``variants`` (the first is the baseline, e.g. ``{"bf16": lambda m: m, "int8":
-    quantize}``), which returns the model to decode with. Each variant's logits on a random prompt are checked
-    against fp32's (:func:`check_logits`: a broken quantization raises before any timing). Then each decodes in a
-    :class:`utils.gpt2.StaticDecoder` (one CUDA graph per step on a GPU): the first generation captures, and its
-    peak memory on top of what was there is taken (:func:`utils.memory.track_peak`); the timed call rewinds to
-    the prompt and decodes ``new_tokens`` (``new_tokens - 1`` steps). Bytes per step: the variant's weights
-    (:func:`weight_bytes`) plus the KV cache at the average context.
+    Per size: a GPT-2 with GPT-2's random initialisation (seeded) is built in fp32 on ``device``; its copy in
+    ``dtype`` (bf16; fp16 on a GPU without bf16) is handed to each function of ``variants`` (the first is the
+    baseline, e.g. ``{"bf16": lambda m: m, "int8": quantize}``), which returns the model to decode with. Each
+    variant's logits on a random prompt are checked against fp32's (:func:`check_logits`: a broken quantization
+    raises before any timing). Then each decodes in a :class:`utils.gpt2.StaticDecoder` (one CUDA graph per step on
+    a GPU): the first generation captures, and its peak memory on top of what was there is taken
+    (:func:`utils.memory.track_peak`); the timed call rewinds to the prompt and decodes ``new_tokens``
+    (``new_tokens - 1`` steps). Bytes per step: the variant's weights (:func:`weight_bytes`) plus the KV cache at
+    the average context.
 
     Raises:
         QuantizationBrokeModel: from :func:`check_logits`.
@@ -421,7 +423,7 @@ def decode_sweep(
             reference = fp32(prompt)
         models = {}
         for v, make in variants.items():
-            models[v] = make(copy.deepcopy(fp32).to(torch.bfloat16)).eval()
+            models[v] = make(copy.deepcopy(fp32).to(dtype)).eval()
         del fp32
         _free(device)
         with torch.inference_mode():
@@ -442,7 +444,7 @@ def decode_sweep(
                                    limit_name="copy bandwidth", title=f"{name}, batch-1 decoding", progress=False)
         results.append(SizeResult(name, config, gpt2.count_parameters(models[names[0]]), comparison, steps,
                                   step_bytes, weights, peaks, errors))
-        del decoders, models, fns
+        del decoders, models, fns, decoder, m, peak  # the loop's names too: the last model would outlive its size
         _free(device)
     what = ("peak: weights + the most a decode (cache, graph, activations) allocated on top, from the caching "
             "allocator" if device.type == "cuda" else
@@ -467,9 +469,11 @@ class Torchao:
         return self.why_not is None
 
 
-def torchao_status() -> Torchao:
-    """Import torchao's ``quantize_`` and ``Int8WeightOnlyConfig`` and try them on one small linear layer: usable,
-    or the reason it is skipped (not installed, an import error, a version that does not work with this PyTorch)."""
+def torchao_status(device: torch.device | str | None = None, dtype: torch.dtype = torch.bfloat16) -> Torchao:
+    """Import torchao's ``quantize_`` and ``Int8WeightOnlyConfig`` and try them on one small linear layer of
+    ``dtype`` on ``device`` (default: :func:`utils.env.get_device`), where the notebook will use them: usable, or the
+    reason it is skipped (not installed, an import error, a version that does not work with this PyTorch or here)."""
+    device = get_device(device)
     logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)  # torchao registers enums torch now handles
     try:
         import torchao
@@ -480,15 +484,16 @@ def torchao_status() -> Torchao:
         return Torchao(None, None, None, why)
     except Exception as err:  # a torchao built for another PyTorch can fail in many ways at import
         return Torchao(None, None, None, f"torchao does not import with PyTorch {torch.__version__}: "
-                                         f"{type(err).__name__}: {str(err).splitlines()[0][:160]}")
+                                         f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:160]}")
     version = getattr(torchao, "__version__", "unknown")
     try:
-        layer = torch.nn.Linear(32, 16).to(torch.bfloat16)
+        layer = torch.nn.Linear(32, 16).to(device, dtype)
         quantize_(layer, Int8WeightOnlyConfig())
-        layer(torch.randn(2, 32, dtype=torch.bfloat16))
+        layer(torch.randn(2, 32, device=device, dtype=dtype))
     except Exception as err:
-        return Torchao(None, None, version, f"torchao {version} does not work with PyTorch {torch.__version__}: "
-                                            f"{type(err).__name__}: {str(err).splitlines()[0][:160]}")
+        return Torchao(None, None, version, f"torchao {version} does not work with PyTorch {torch.__version__} on "
+                                            f"{device.type}: {type(err).__name__}: "
+                                            f"{(str(err).splitlines() or [''])[0][:160]}")
     return Torchao(quantize_, Int8WeightOnlyConfig, version, None)
 
 
@@ -534,7 +539,8 @@ def agreement(ours: torch.nn.Module, theirs: torch.nn.Module, x: torch.Tensor, r
             if off > 1e-2:
                 raise AssertionError(f"torchao's output is {off:.2g} from our formula on its own int8 values: it "
                                      "computes something else")
-            parts.append(f"torchao's output is our formula on its values ({off:.0e} apart)")
+            parts.append("torchao's output is our formula on its values, " + ("exactly" if off == 0 else
+                                                                             f"{off:.0e} apart"))
     else:
         parts.append("torchao's int8 values are not readable in this version, so only the outputs are compared")
     between = relative_error(out_ours, out_theirs)
@@ -573,8 +579,9 @@ def fp8_support(device: torch.device | str | None = None) -> dict[str, str | Non
                 sa, sb = torch.ones(32, 1, device=device), torch.ones(1, 48, device=device)
             torch._scaled_mm(a.to(fp8), b.to(fp8).t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
             out[recipe] = None
-        except (RuntimeError, NotImplementedError) as err:
-            out[recipe] = f"torch._scaled_mm with {recipe} scales fails here: {str(err).splitlines()[0][:160]}"
+        except Exception as err:  # a gate says why: a check in ATen, a missing kernel, an unsupported GPU
+            out[recipe] = (f"torch._scaled_mm with {recipe} scales fails here: "
+                           f"{(str(err).splitlines() or [type(err).__name__])[0][:160]}")
     return out
 
 
@@ -597,6 +604,63 @@ def fp8_error_rows(errors: Mapping[str, float], baseline: str = "bf16") -> list[
     base = errors.get(baseline)
     return [{"variant": k, "relative error vs fp32": f"{e:.2e}",
              f"× {baseline}'s": f"{e / base:.1f}×" if base else "—"} for k, e in errors.items()]
+
+
+# ── One layer timed: past the L2 cache, without host launch cost ────────────────────────────────────────────
+
+
+def copies_past_l2(nbytes: int, device: torch.device | str | None = None, *, l2_bytes: int | None = None,
+                   factor: int = 4) -> int:
+    """How many copies of a layer whose weights take ``nbytes`` make the weights read per call exceed ``factor`` ×
+    the GPU's L2 cache, so that a timing of them reads memory, as a model's forward does, not the L2 cache (one layer
+    called again and again stays in L2 when it fits: 20 MB does, in an H100's 50 MB). 1 on a CPU."""
+    device = get_device(device)
+    if device.type != "cuda":
+        return 1
+    if l2_bytes is None:
+        l2_bytes = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 0
+    return max(1, -(-factor * l2_bytes // max(nbytes, 1)))
+
+
+def streamed_layers(layers: Mapping[str, torch.nn.Module], x: torch.Tensor, copies: int, *,
+                    device: torch.device | str | None = None) -> tuple[dict[str, Callable[[], object]], str]:
+    """One callable per layer for :func:`utils.bench.compare`: each applies ``copies`` copies of its layer (deep
+    copies: separate weights) to ``x``. On a GPU the calls are captured in one CUDA graph per layer, so a timing
+    measures the kernels, not the host's launch cost (a single layer at batch 1 takes a few microseconds, about a
+    launch's cost); on a CPU they run eagerly. Returns ``(callables, how)``: ``how`` says what a call runs. When a
+    layer cannot be captured (a library's layer that synchronises, say), every layer runs eagerly, and ``how``
+    says so and why: the comparison stays fair."""
+    device = get_device(device)
+    stacks = {name: [layer] + [copy.deepcopy(layer) for _ in range(copies - 1)] for name, layer in layers.items()}
+
+    def run(stack):
+        with torch.inference_mode():
+            for layer in stack:
+                layer(x)
+
+    eager = {name: (lambda stack=stack: run(stack)) for name, stack in stacks.items()}
+    what = f"{copies} copies of each layer per call" if copies > 1 else "one layer per call"
+    if device.type != "cuda":
+        return eager, f"{what}, launched from Python"
+    graphed = {}
+    try:
+        for name, stack in stacks.items():
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                for _ in range(2):  # compiles Triton kernels and sets up cuBLAS outside the capture
+                    run(stack)
+            torch.cuda.current_stream(device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.inference_mode(), torch.cuda.graph(graph):
+                for layer in stack:
+                    layer(x)
+            graphed[name] = graph.replay
+    except Exception as err:  # a layer that cannot be captured: time them all the same way, with launches
+        torch.cuda.synchronize(device)
+        return eager, (f"{what}, launched from Python: {name} could not be captured in a CUDA graph "
+                       f"({type(err).__name__}: {str(err).splitlines()[0][:120]}), so host launch costs are included")
+    return graphed, f"{what}, in one CUDA graph (no host launch cost)"
 
 
 # ── The notebook's Triton kernel: its launch shape ─────────────────────────────────────────────────────────
