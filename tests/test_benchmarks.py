@@ -173,7 +173,13 @@ def test_cross_check_reads_the_other_notebooks_reference_run(tmp_path):
     (tmp_path / "h200.json").write_text(json.dumps(entry))
     kwargs = dict(notebook="08_inference", figure="gpt2_tok_s_kv_cache", gpu="NVIDIA H200", results_dir=tmp_path)
     assert bm.cross_check(210.0, **kwargs).endswith("1.05× that — within 20%")
-    assert "one of the two runs was skewed" in bm.cross_check(95.0, **kwargs)
+    assert "reference run (H200)" in bm.cross_check(210.0, **kwargs)  # no run record: the file's GPU
+    apart = bm.cross_check(95.0, **kwargs)
+    assert "apart by more than 20%" in apart and "notebook sources changed since" in apart
+    run = {"gpu": "NVIDIA H200", "date": "2026-11-27", "torch": "2.11.0+cu130", "shared_host": True}
+    (tmp_path / "h200.json").write_text(json.dumps({"08_inference": entry["08_inference"] | {"run": run}}))
+    assert "reference run (NVIDIA H200, 2026-11-27, torch 2.11.0+cu130, beside other notebooks)" in \
+        bm.cross_check(210.0, **kwargs)
     assert "nothing to cross-check against" in bm.cross_check(95.0, **(kwargs | {"gpu": "NVIDIA H100 80GB HBM3"}))
     assert "nothing to cross-check against" in bm.cross_check(95.0, **(kwargs | {"figure": "other"}))
 
@@ -185,6 +191,10 @@ def test_guide_chart_draws_the_guide_the_reference_runs_and_this_run(tmp_path):
                          results_dir=tmp_path, here="this GPU", recorded={"best": 6100.0})
     labels = [t.get_text() for t in fig.axes[0].get_yticklabels()]
     assert labels == ["the guide", "H200, reference run (best)", "this GPU (best)"]
+    same_kind = bm.guide_chart([("ResNet-50", "images/s", {"the guide": 1850}, {"best": "best"})],
+                               notebook="09_benchmarks", results_dir=tmp_path, here="NVIDIA H200",
+                               recorded={"best": 6100.0})  # its own kind's file: the run it replaces, left out
+    assert [t.get_text() for t in same_kind.axes[0].get_yticklabels()] == ["the guide", "NVIDIA H200 (best)"]
 
 
 def test_first_call_code_returns_what_inductor_generated_without_resetting_dynamo():

@@ -237,6 +237,21 @@ def test_cpu_use_reads_busy_cores_and_the_main_process(tmp_path):
     assert use.main_cores >= 0 and "1.5 of 2 busy" in str(use)
     _, unknown = ip.cpu_use(lambda: None, cpus=[0], stat_path=tmp_path / "missing")
     assert unknown.busy_cores is None and "not measurable" in str(unknown)
+    zeros = tmp_path / "zeros"  # gVisor's /proc/stat: every CPU's line reads zeros
+    zeros.write_text("cpu  0 0 0 0 0 0 0 0\ncpu0 0 0 0 0 0 0 0 0\n")
+    assert ip.cpu_use(lambda: None, cpus=[0], stat_path=zeros)[1].busy_cores is None
+
+
+def test_cpu_use_counts_the_cpu_time_of_children_that_ended():
+    import subprocess
+    import sys
+
+    def child():  # a child that spins for about 0.3 s of CPU, waited for
+        subprocess.run([sys.executable, "-c", "import time\nt = time.process_time()\n"
+                        "while time.process_time() - t < 0.3: pass"], check=True)
+
+    _, use = ip.cpu_use(child, cpus=[0])
+    assert use.children_cores is not None and use.children_cores > 0.1 and "the workers" in str(use)
 
 
 def test_workers_that_fit_in_shared_memory():
@@ -264,6 +279,24 @@ def test_loader_sweep_names_the_measured_reason():
     neither = _sweep(rates, {n: ip.CpuUse(16, 5.0, 0.4) for n in rates})
     assert "is not measured here" in neither.why_short(4)
     assert [r["CPUs busy"] for r in neither.rows()] == ["5.0 of 16"] * 3
+    assert [r["each worker busy"] for r in neither.rows()] == ["—"] * 3
+
+
+def test_loader_sweep_reads_the_workers_cpu_time():
+    rates = {1: 500.0, 2: 990.0, 4: 1200.0}
+    # 4 workers busy all the time for 1,200 images/s: 3.3 ms of CPU per image against 2 ms for one worker
+    dearer = _sweep(rates, {1: ip.CpuUse(16, None, 0.3, 1.0), 2: ip.CpuUse(16, None, 0.3, 2.0),
+                            4: ip.CpuUse(16, None, 0.3, 4.0)})
+    assert "each image took 1.67× the workers' CPU time it took at 1 worker" in dearer.why_short(4)
+    assert [r["each worker busy"] for r in dearer.rows()] == ["100%"] * 3
+    # 4 workers busy 60% of the time at 1.7 ms per image: they waited
+    waited = _sweep(rates, {1: ip.CpuUse(16, None, 0.3, 1.0), 2: ip.CpuUse(16, None, 0.3, 2.0),
+                            4: ip.CpuUse(16, None, 0.3, 2.4)})
+    assert "each worker was busy only 60% of the time, so they waited" in waited.why_short(4)
+    # neither the CPUs' use nor the workers' readable: no claim about the CPUs
+    blind = _sweep(rates, {n: ip.CpuUse(16, None, 0.3) for n in rates})
+    text = blind.why_short(4)
+    assert "not measurable here" in text and "neither were the CPUs saturated" not in text
 
 
 def test_loader_sweep_says_whether_it_keeps_up():
@@ -280,3 +313,4 @@ def test_loader_sweep_times_every_count_with_its_cpu_use():
     sweep = ip.loader_sweep(torch.utils.data.TensorDataset(torch.arange(8)), [1], batch_size=2, min_run_time=0.05,
                             device="cpu")
     assert sweep.counts == [1] and sweep.rate(1) > 0 and sweep.use[1].cores >= 1
+    assert sweep.use[1].children_cores is not None and sweep.use[1].children_cores > 0  # its worker, waited for

@@ -36,6 +36,7 @@ import torch
 
 from utils.bench import Comparison, Verdict, format_seconds
 from utils.env import gpu_slug
+from utils.playbook import relative_error
 from utils.plot import format_value
 from utils.profile import StepProfile, kind_of
 from utils.results import reference_results
@@ -84,19 +85,6 @@ def full_fp32() -> Iterator[None]:
     finally:
         torch.set_float32_matmul_precision(previous[0])
         torch.backends.cudnn.allow_tf32 = previous[1]
-
-
-def relative_error(result: torch.Tensor, reference: torch.Tensor) -> float:
-    """‖result − reference‖ / ‖reference‖ in float64.
-
-    Raises:
-        ValueError: for tensors of different shapes.
-    """
-    if result.shape != reference.shape:
-        raise ValueError(f"shapes differ: {list(result.shape)} vs {list(reference.shape)}")
-    ref = reference.detach().double()
-    diff = result.detach().to(ref.device, torch.float64) - ref
-    return (diff.norm() / ref.norm().clamp_min(1e-300)).item()
 
 
 def check_close(what: str, result: torch.Tensor, reference: torch.Tensor, tol: float) -> float:
@@ -346,32 +334,43 @@ def decode_floor(profile: StepProfile, step_s: float, step_bytes: float, copy_gb
 def cross_check(value: float, *, notebook: str, figure: str, gpu: str, results_dir: str | Path,
                 tolerance: float = 0.2) -> str:
     """This run's ``value`` against ``figure`` of ``notebook``'s reference run on the same kind of GPU (from
-    ``results_dir``): one sentence with both numbers and their ratio; apart by more than ``tolerance`` (20%) it
-    says one of the two runs was skewed. Without such a figure, it says there is nothing to compare with."""
+    ``results_dir``, matched by :func:`utils.env.gpu_slug`): one sentence with both numbers, their ratio, and which
+    run it was (its GPU, date and torch, from the run record where there is one). Apart by more than ``tolerance``
+    (20%), it says so and lists what can part two runs of the same step — it cannot tell which one applies, so it
+    names none as the cause. Without such a figure, it says there is nothing to compare with."""
     entry = reference_results(results_dir).get(gpu_slug(gpu), {}).get(notebook)
     payload = (entry or {}).get("figures", {}).get(figure)
+    number = notebook.split("_")[0]
     if payload is None:
-        return (f"nothing to cross-check against: notebook {notebook.split('_')[0]}'s reference runs in results/ have "
-                f"no {figure} for {gpu}")
+        return (f"nothing to cross-check against: notebook {number}'s reference runs in results/ have no {figure} "
+                f"for {gpu}")
+    run = (entry or {}).get("run") or {}
+    which = ", ".join(str(part) for part in (run.get("gpu") or gpu_slug(gpu).upper(), run.get("date"),
+                                              run.get("torch") and f"torch {run['torch']}") if part)
+    if run.get("shared_host"):
+        which += ", beside other notebooks"
     ref = float(payload["value"])
     ratio = value / ref
-    text = (f"{figure}: notebook {notebook.split('_')[0]}'s reference run on this kind of GPU ({gpu}) measured "
-            f"{format_value(ref)} {payload.get('unit', '')}; this run {format_value(value)}, {ratio:.2f}× that")
+    text = (f"{figure}: notebook {number}'s reference run ({which}) measured {format_value(ref)} "
+            f"{payload.get('unit', '')}; this run {format_value(value)}, {ratio:.2f}× that")
     if abs(math.log(ratio)) > math.log(1 + tolerance):
-        return text + (f" — apart by more than {tolerance:.0%}: one of the two runs was skewed (another process, a "
-                       "profile before the timing, a different host); trust neither until they agree")
+        return text + (f" — apart by more than {tolerance:.0%}: the two runs differ in something that matters "
+                       "(another process on the host, a profile before the timing, another host or GPU model, "
+                       "notebook sources changed since); trust neither until they agree")
     return text + f" — within {tolerance:.0%}"
 
 
 def guide_chart(panels: Sequence[tuple[str, str, Mapping[str, float], Mapping[str, str]]], *, notebook: str,
                 results_dir: str | Path, here: str, recorded: Mapping[str, float]):
-    """Bars per panel: the guide's figures, every GPU whose reference run of ``notebook`` recorded the panel's
-    figures in ``results_dir``, and this run (``recorded``: figure → value). A panel is ``(title, unit,
-    {guide bar: value}, {bar suffix: figure name})``. Returns the matplotlib figure."""
+    """Bars per panel: the guide's figures, every other kind of GPU whose reference run of ``notebook`` recorded the
+    panel's figures in ``results_dir``, and this run (``recorded``: figure → value). The file of this run's own kind
+    of GPU (``here``, by :func:`utils.env.gpu_slug`) is left out: this run is its new reference run, or stands beside
+    it, and the file may hold a run at older sources. A panel is ``(title, unit, {guide bar: value}, {bar suffix:
+    figure name})``. Returns the matplotlib figure."""
     import matplotlib.pyplot as plt
 
     previous = {gpu.upper(): entries.get(notebook, {}).get("figures", {})
-                for gpu, entries in reference_results(results_dir).items()}
+                for gpu, entries in reference_results(results_dir).items() if gpu != gpu_slug(here)}
     cols = min(len(panels), 2)
     rows = math.ceil(len(panels) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(6.5 * cols, 3.6 * rows), squeeze=False)

@@ -12,9 +12,10 @@
 - :func:`loader_timing` — what a ``DataLoader`` with N workers supplies in steady state (one live iterator, rounds
   of N batches), optionally feeding each batch to a training step; :func:`cpu_cores` — the logical CPUs this process
   may use and the physical cores behind them (the workers' budget).
-- :func:`cpu_use` — how busy the CPUs and the main process were while something ran; :func:`loader_sweep` —
-  :func:`loader_timing` over worker counts with the CPUs' use at each, and :class:`LoaderSweep`'s measured reason
-  why N workers deliver less than N lone workers (cores all busy, the main process busy, or neither: not measured);
+- :func:`cpu_use` — how busy the CPUs, the main process and the workers were while something ran;
+  :func:`loader_sweep` — :func:`loader_timing` over worker counts with the CPUs' use at each, and
+  :class:`LoaderSweep`'s measured reason why N workers deliver less than N lone workers (cores all busy, the main
+  process busy, each image dearer in the workers' CPU time, workers idle; else: not measured);
   :func:`workers_that_fit` — the workers whose batches fit in ``/dev/shm``.
 - :func:`normalize` — uint8 images on the device → the float batch a model trains on (ImageNet mean and std).
 
@@ -347,36 +348,55 @@ def _proc_stat(cpus: Sequence[int], path: str | Path = "/proc/stat") -> tuple[fl
     return (busy, total) if total > 0 else None
 
 
+def _children_cpu_s() -> float | None:
+    """CPU seconds (user + system) of this process's children that have ended and been waited for — a
+    ``DataLoader``'s workers, once its iterator is gone; None where ``resource`` is missing (Windows)."""
+    try:
+        import resource
+    except ImportError:
+        return None
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 @dataclass(frozen=True)
 class CpuUse:
     """How busy the CPUs were while something ran: ``busy_cores`` of the ``cores`` this process may use were
     busy on average (every process on them: workers, the main process, anything else; None where Linux's
-    ``/proc/stat`` cannot be read), and ``main_cores`` of them were this process (all its threads)."""
+    ``/proc/stat`` cannot be read, or reads zeros as in gVisor), ``main_cores`` of them were this process (all its
+    threads), and ``children_cores`` its children that ended meanwhile (a ``DataLoader``'s workers; None where
+    that cannot be read)."""
 
     cores: int
     busy_cores: float | None
     main_cores: float
+    children_cores: float | None = None
 
     def __str__(self) -> str:
         busy = "not measurable here" if self.busy_cores is None else f"{self.busy_cores:.1f} of {self.cores} busy"
-        return f"CPUs: {busy}; the main process {self.main_cores:.0%} of a core"
+        workers = "" if self.children_cores is None else f"; the workers {self.children_cores:.1f} cores"
+        return f"CPUs: {busy}; the main process {self.main_cores:.0%} of a core{workers}"
 
 
 def cpu_use(fn: Callable[[], T], *, cpus: Sequence[int] | None = None,
             stat_path: str | Path = "/proc/stat") -> tuple[T, CpuUse]:
     """Run ``fn()`` and return its result with the :class:`CpuUse` meanwhile, over the CPUs this process may run
-    on (``cpus``, ``stat_path``: for tests)."""
+    on (``cpus``, ``stat_path``: for tests). The children's share counts only children that ``fn`` also waited
+    for (as a ``DataLoader`` does when its iterator goes), over the whole call, their start included."""
     if cpus is None:
         cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
     cpus = list(cpus)
-    before, cpu0, wall0 = _proc_stat(cpus, stat_path), time.process_time(), time.perf_counter()
+    before, children0 = _proc_stat(cpus, stat_path), _children_cpu_s()
+    cpu0, wall0 = time.process_time(), time.perf_counter()
     result = fn()
-    after, cpu1, wall1 = _proc_stat(cpus, stat_path), time.process_time(), time.perf_counter()
+    cpu1, wall1 = time.process_time(), time.perf_counter()
+    after, children1 = _proc_stat(cpus, stat_path), _children_cpu_s()
     wall = max(wall1 - wall0, 1e-9)
     busy = None
     if before is not None and after is not None and after[1] > before[1]:
         busy = len(cpus) * (after[0] - before[0]) / (after[1] - before[1])
-    return result, CpuUse(len(cpus), busy, (cpu1 - cpu0) / wall)
+    children = None if children0 is None or children1 is None else (children1 - children0) / wall
+    return result, CpuUse(len(cpus), busy, (cpu1 - cpu0) / wall, children)
 
 
 def workers_that_fit(workers: int, batch_size: int, size: int, *, shm_free: int | None = -1) -> int:
@@ -423,12 +443,16 @@ class LoaderSweep:
                  "per worker": f"{self.rate(n) / n:,.0f}", "of n × one worker": f"{self.efficiency(n):.0%}",
                  "CPUs busy": "—" if self.use[n].busy_cores is None else
                  f"{self.use[n].busy_cores:.1f} of {self.use[n].cores}",
-                 "main process": f"{self.use[n].main_cores:.0%}"} for n in self.counts]
+                 "main process": f"{self.use[n].main_cores:.0%}",
+                 "each worker busy": "—" if self.use[n].children_cores is None else
+                 f"{self.use[n].children_cores / n:.0%}"} for n in self.counts]
 
     def why_short(self, workers: int) -> str:
         """The measured reason why ``workers`` workers deliver less than that many lone workers: the CPUs all busy
-        (they share cores), the main process busy (it collects, pins and copies every batch), or neither — then the
-        cause (caches, memory bandwidth, clocks) is not measured here and the sentence says so."""
+        (they share cores), the main process busy (it collects, pins and copies every batch), each image costing the
+        workers more CPU time than at the first count (they slow each other down), or the workers idle part of the
+        time (they waited). Otherwise the cause is not measured here, and the sentence says so. Where the CPUs' use
+        cannot be read (``busy_cores`` None: gVisor's ``/proc/stat`` reads zeros), it claims nothing about them."""
         use, eff = self.use[workers], self.efficiency(workers)
         head = f"at {workers} workers each delivers {eff:.0%} of a lone worker's rate"
         if eff >= 0.8:
@@ -439,10 +463,23 @@ class LoaderSweep:
         if use.main_cores >= 0.9:
             return (f"{head}: the main process was busy {use.main_cores:.0%} of the time (it collects, pins and "
                     "copies every batch): it sets the pace, not the workers")
-        busy = "not measurable here" if use.busy_cores is None else f"{use.busy_cores:.1f} of {use.cores} busy"
-        return (f"{head}; neither were the CPUs saturated ({busy}) nor the main process ({use.main_cores:.0%} of a "
-                "core): what held them back — shared caches, memory bandwidth, lower clocks with many cores busy — "
-                "is not measured here")
+        cause = "shared caches, memory bandwidth, hyper-threads, lower clocks with many cores busy"
+        first, one = self.counts[0], self.use[self.counts[0]]
+        if use.children_cores and one.children_cores:  # the workers' CPU seconds per image, against the first count
+            dearer = (use.children_cores / self.rate(workers)) / (one.children_cores / self.rate(first))
+            busy_each = use.children_cores / workers
+            if dearer >= 1.2:
+                return (f"{head}: each image took {dearer:.2f}× the workers' CPU time it took at {first} worker"
+                        f"{'s' * (first != 1)}, so the workers slowed each other down ({cause}: not measured which)")
+            if busy_each < 0.8:
+                return (f"{head}: each worker was busy only {busy_each:.0%} of the time, so they waited (for a free "
+                        "CPU, for the main process to take their batches, or for their files: not measured which)")
+        if use.busy_cores is None:  # e.g. a sandbox whose /proc/stat reads zeros: no claim about the cores
+            return (f"{head}; the main process was busy {use.main_cores:.0%} of a core, and how busy the CPUs were "
+                    f"is not measurable here (Linux's /proc/stat): what held the workers back — CPUs shared, "
+                    f"{cause} — is not measured here")
+        return (f"{head}; neither were the CPUs saturated ({use.busy_cores:.1f} of {use.cores} busy) nor the main "
+                f"process ({use.main_cores:.0%} of a core): what held them back — {cause} — is not measured here")
 
     def summary(self, train_rate: float) -> str:
         """Whether the loader keeps up with a step training ``train_rate`` images/s, beyond its noise, and how it
