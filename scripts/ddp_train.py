@@ -27,12 +27,14 @@ others idle: e.g. ``ddp:1`` is one GPU's step, timed in the same rounds as the r
     accum_no_sync  4 micro-batches per optimizer step, under no_sync() but the last
 
 The variants are timed in alternating rounds (``utils.distributed.interleaved_bench``: every round builds each
-variant afresh and times one block of steps; the accumulation variants, of 4 micro-batches per step, get blocks
-twice as long; the notebook compares them round by round with ``utils.distributed.compared``), and after all the
-rounds each variant of ``--profile`` is profiled once: its kernels' time split into computation, communication not
-hidden by it, and idle time (``--profile-trace PATH``: rank 0 also saves the Perfetto trace of DDP on every rank).
-Every variant reports its peak memory per GPU. All variants train under one precision: bf16 autocast on GPUs with
-bf16 arithmetic, fp32 elsewhere (fp16 would need a GradScaler). Rank 0 writes everything as JSON (``--result``),
+variant afresh and times one block of steps of about ``--min-run-s`` / ``--rounds``; an accumulation variant's
+step holds as many sequences as the others', in 4 micro-batches; the notebook compares the variants round by round
+with ``utils.distributed.compared``), and after all the rounds each variant of ``--profile`` is profiled once: its
+kernels' time split into computation, communication not hidden by it, and idle time (``--profile-trace PATH``:
+rank 0 also saves the Perfetto trace of DDP on every rank). Every variant reports its peak memory per GPU and the
+bytes of parameters, gradients and AdamW state its rank 0 holds (``utils.distributed.model_state_bytes``: FSDP2's
+shards only). All variants train under one precision: bf16 autocast on GPUs with bf16 arithmetic, fp32 elsewhere
+(fp16 would need a GradScaler). Rank 0 writes everything as JSON (``--result``),
 with the bytes each variant all-reduces per optimizer step.
 """
 
@@ -285,24 +287,26 @@ def main() -> None:
                 model = TransformerModel(config)
             model.load_state_dict(init_state)
             wrapped = wrap(model, ctx, name, groups.get(k))
-            optimizer = torch.optim.AdamW(wrapped.parameters(), lr=1e-4, fused=on_gpu)  # DTensors too (FSDP2)
-            return step_fn(wrapped, optimizer, name, *data[b], amp_dtype)
+            optimizer = torch.optim.AdamW(wrapped.parameters(), lr=1e-4, fused=True)  # on DTensors too, CPU too
+            step = step_fn(wrapped, optimizer, name, *data[b], amp_dtype)
+            step.model, step.optimizer = wrapped, optimizer  # for measured(): the state this rank holds
+            return step
 
         profiled = set(specs) if args.profile == "all" else set(filter(None, args.profile.split(",")))
 
         def measured(spec, step, timing):
             if step is idle:
-                return {"peak_bytes": None, "profile": None}
+                return {"peak_bytes": None, "state_bytes": None, "profile": None}
+            state = D.model_state_bytes(step.model, step.optimizer)  # after the warm-up steps: gradients, AdamW
             if spec not in profiled:
                 return {"peak_bytes": torch.cuda.max_memory_allocated(ctx.device) if on_gpu else None,
-                        "profile": None}
+                        "state_bytes": state, "profile": None}
             widest_ddp = parsed[spec][0] == "ddp" and parsed[spec][2] == world
             trace = args.profile_trace if widest_ddp and ctx.is_main else None
-            return measure(ctx, step, timing.median_s, trace)
+            return {**measure(ctx, step, timing.median_s, trace), "state_bytes": state}
 
-        block_s = {spec: (2 if parsed[spec][0].startswith("accum") else 1) * min_run_s / rounds for spec in specs}
         timings, extras = D.interleaved_bench({spec: (lambda spec=spec: build(spec)) for spec in specs}, ctx,
-                                              rounds=rounds, warmup=3 if on_gpu else 2, block_s=block_s,
+                                              rounds=rounds, warmup=3 if on_gpu else 2, block_s=min_run_s / rounds,
                                               measure=measured)
         for spec in specs:
             name, b, k = parsed[spec]

@@ -4,9 +4,14 @@
 
 Rank 0 all-reduces a tensor; every other rank takes another code path (here: it sleeps, as a rank stuck in data
 loading or in a branch the others did not take would) and never calls the all-reduce. Without a timeout rank 0
-would wait forever. With ``init_process_group(timeout=...)``, gloo raises on rank 0 after the timeout and NCCL's
-watchdog aborts the process: either way torchrun sees a failed rank, stops the others, and the launch fails with
-the timeout named in its output.
+would wait forever. With a process group's ``timeout`` (``init_process_group(timeout=...)``, or ``new_group`` as
+here), gloo raises on rank 0 after the timeout and NCCL's watchdog aborts the process: either way torchrun sees a
+failed rank, stops the others, and the launch fails with the timeout named in its output.
+
+The default group is joined with the usual timeout (``utils.distributed.setup``): joining also waits for every
+process to start, which on a busy machine can take longer than a few seconds, and a failure there would not be the
+mistake this script makes. All ranks then make the group of the short ``--timeout-s`` together, after a barrier,
+and the mismatched all-reduce runs in it.
 
 How soon NCCL's watchdog ends the process after the timeout depends on what it does first: it signals every rank
 to dump its flight recorder (a record of recent collectives and their stacks, for post-mortem debugging), then
@@ -16,6 +21,7 @@ training run keeps the defaults.
 """
 
 import contextlib
+import datetime
 import sys
 import time
 from pathlib import Path
@@ -34,13 +40,15 @@ def main() -> None:
         import resource
 
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    ctx = D.setup(args.device, timeout_s=args.timeout_s)
+    ctx = D.setup(args.device)  # joining waits for every process to start: the usual timeout
     try:
         dist.barrier()  # everyone is here: the mismatch below is the only problem
+        group = dist.new_group(timeout=datetime.timedelta(seconds=args.timeout_s))  # every rank makes it
+        dist.barrier(group=group)  # and joins it: its connections exist before the mismatch
         if ctx.rank == 0:
             D.log(ctx, f"rank 0 calls all_reduce; the other rank never will (timeout {args.timeout_s:g} s)")
             t = torch.ones(4, device=ctx.device)
-            dist.all_reduce(t)
+            dist.all_reduce(t, group=group)
             if ctx.device.type == "cuda":
                 torch.cuda.synchronize(ctx.device)  # NCCL is asynchronous: wait here until the watchdog fires
             D.log(ctx, "unreachable: the all-reduce completed")

@@ -361,14 +361,58 @@ def test_shortfall_splits_the_efficiency_into_ddps_own_work_and_the_step_growth(
     assert "from one GPU to 2: the step 1.20× as long (" in text and "mostly communication not hidden" in text
 
 
-def test_fsdp_against_ddp_gives_the_verdict_and_the_peaks():
+def test_fsdp_against_ddp_gives_the_verdict_the_state_and_the_peaks():
     runs = _ladder([10.0] * 6, {"ddp:2": [10.0, 10.1, 9.9, 10.0, 10.2, 10.0], "fsdp:2": [12.0, 12.1, 11.9, 12.0,
                                                                                         12.2, 12.0]})
-    verdict, ratio, text = D.fsdp_against_ddp(runs, 2)
-    assert verdict.outcome == "slower" and ratio is None and "measured on GPUs only" in text
+    verdict, memory, text = D.fsdp_against_ddp(runs, 2)
+    assert verdict.outcome == "slower" and memory == {"state_ratio": None, "peak_ratio": None}
+    assert text.startswith("FSDP2, 2 GPUs vs") and "measured on GPUs only" in text.splitlines()[1]
+    runs["ddp:2"]["state_bytes"], runs["fsdp:2"]["state_bytes"] = {"total": 2 * 2**30}, {"total": 2**30}
+    verdict, memory, text = D.fsdp_against_ddp(runs, 2)  # a CPU: the state, counted from the tensors, no peak
+    assert memory == {"state_ratio": 0.5, "peak_ratio": None}
+    assert "model state (parameters, gradients, AdamW) 1.00 GiB against 2.00 GiB (0.50×; 1/2 = 0.50)" in text
     runs["ddp:2"]["peak_bytes"], runs["fsdp:2"]["peak_bytes"] = 4 * 2**30, 3 * 2**30
-    verdict, ratio, text = D.fsdp_against_ddp(runs, 2)
-    assert ratio == 0.75 and text.endswith("3.00 GiB against 4.00 GiB (0.75×)") and text.startswith("FSDP2, 2 GPUs vs")
+    verdict, memory, text = D.fsdp_against_ddp(runs, 2)
+    assert memory == {"state_ratio": 0.5, "peak_ratio": 0.75} and len(text.splitlines()) == 2
+    assert "peak 3.00 GiB against 4.00 GiB (0.75×): the rest of the peak" in text
+    assert "2.00 GiB with DDP and 2.00 GiB with FSDP2 (1.00×): about the same" in text, "what sharding left alone"
+
+
+def _accumulation(sync_ms, no_sync_ms, *, grad_bytes=280e6, buckets=12):
+    """The accumulation variants of scripts/ddp_train.py and its --check, all-reducing 4 micro-batches or 1."""
+    runs = {"accum_sync": _variant(sync_ms, allreduce_bytes=4 * grad_bytes),
+            "accum_no_sync": _variant(no_sync_ms, allreduce_bytes=grad_bytes)}
+    check = {"grad_bytes": grad_bytes, "accumulation": {"no_sync": {"allreduce_calls": buckets}}}
+    return runs, check
+
+
+def test_no_sync_effect_gives_the_reason_of_the_outcome_it_has():
+    rows = [{"bytes": 2**24, "alg_gbps": 200.0}, {"bytes": 2**26, "alg_gbps": 250.0}]  # 24 MB buckets: 200 GB/s
+    # 3 × 280 MB skipped at 200 GB/s: 4.2 ms, 6% of a 70 ms step — not seen in the step: hidden by backward
+    runs, check = _accumulation([70.0, 70.5, 69.8, 70.2, 70.1, 69.9], [70.1, 70.4, 69.9, 70.2, 70.0, 70.0])
+    comparison, text = D.no_sync_effect(runs, check, rows, title="t")
+    assert comparison.variants == ["all-reduce every micro-batch", "no_sync but the last"]
+    assert comparison.verdict().outcome == "same"
+    assert "it skips 36 all-reduces" in text and "4.2 ms at the bandwidth measured for 16.00 MiB messages" in text
+    assert "6% of the 70 ms step" in text and "hid them" in text
+    # the same outcome with a skipped time within the resolution: too little to show, nothing hidden
+    small_runs, small_check = _accumulation([70.0, 70.5, 69.8, 70.2, 70.1, 69.9], [70.1, 70.4, 69.9, 70.2, 70.0, 70.0],
+                                            grad_bytes=28e6)
+    small = D.no_sync_effect(small_runs, small_check, rows)[1]
+    assert "too little to resolve" in small and "hid" not in small
+    # faster: the skipped time is the reason
+    fast_runs, fast_check = _accumulation([70.0, 70.5, 69.8, 70.2, 70.1, 69.9], [66.0, 66.4, 65.9, 66.2, 66.0, 66.0])
+    fast = D.no_sync_effect(fast_runs, fast_check, rows)[1]
+    assert "faster" in fast and "it skips 36 all-reduces" in fast and "hid" not in fast
+    assert "more than that" not in fast, "a 6% gain, band 5.4–6.4%: what 6% of skipped all-reduces explains"
+    beyond = D.no_sync_effect(*_accumulation([70.0, 70.5, 69.8, 70.2, 70.1, 69.9], [56.0, 56.4, 55.9, 56.2, 56.0,
+                                                                                    56.0]), rows)[1]
+    assert "the step gained 20%, more than that" in beyond, "the skipped calls cost more than their transfer"
+    # inconclusive: what was at stake, no cause
+    noisy_runs, noisy_check = _accumulation([70.0, 80.0, 60.0, 75.0, 65.0, 70.0], [75.0, 65.0, 70.0, 60.0, 80.0, 70.0])
+    noisy = D.no_sync_effect(noisy_runs, noisy_check, rows)[1]
+    assert "inconclusive" in noisy or "could not resolve" in noisy
+    assert "at stake: it skips 36 all-reduces" in noisy
 
 
 def test_checkpoint_rows_and_placement():
@@ -678,6 +722,8 @@ def test_ddp_script_equals_one_process_and_no_sync_accumulates():
         grad, grad, 0, 0, 0]
     assert D.compared(variants, ["ddp@2:1", "ddp"]).rounds == 2
     assert run.result["amp"] == "fp32", "a CPU trains every variant in fp32"
+    state = {v: variants[v]["state_bytes"]["total"] for v in ("ddp", "fsdp:2", "plain@2")}
+    assert state["ddp"] == state["plain@2"] > 0 and state["fsdp:2"] <= 0.55 * state["ddp"], "FSDP2 holds its shards"
 
 
 def test_fsdp_on_fewer_ranks_than_the_launch():
@@ -730,6 +776,43 @@ def test_launch_nodes_rejects_bad_arguments():
         D.launch_nodes("fsdp_train.py", [2])
     with pytest.raises(ValueError, match="2 or more nodes"):
         D.launch_nodes("fsdp_train.py", [1, 1], devices=["0"])
+
+
+def test_timeout_demo_refuses_a_failure_before_the_all_reduce(monkeypatch):
+    """A run that fails while its processes start (e.g. joining the group on a busy machine) did not fail on the
+    mismatched collective's timeout, even when its message says 'timed out'."""
+    def fails_at_start(*args, echo, **kwargs):
+        echo("[rank 1] something else")
+        raise D.LaunchError("mismatched_collective.py with 2 processes failed (exit code 1): timed out connecting",
+                            returncode=1, lines=[])
+    monkeypatch.setattr(D, "launch", fails_at_start)
+    with pytest.raises(AssertionError, match="before rank 0 called the all-reduce"):
+        D.timeout_demo("cpu", 2, collective_timeout_s=2)
+
+
+def test_launch_nodes_starts_again_when_the_rendezvous_port_was_taken(monkeypatch):
+    endpoints = []
+
+    def supervise(path, nproc, agents, *, timeout_s, echo):
+        commands = agents("result.json")
+        endpoints.append(next(a for a in commands[0][0] if a.startswith("--rdzv-endpoint=")))
+        assert [c[0][-2:] for c in commands] == [["--result", "result.json"]] * 2
+        if len(endpoints) == 1:
+            raise D.LaunchError("failed", returncode=1, lines=[
+                "[node 0] torch.distributed.DistNetworkError: The server socket has failed to listen on any local "
+                "network address. port: 29400, useIpv6: false, code: -98, name: EADDRINUSE, message: address already "
+                "in use"])
+        return "launched"
+
+    monkeypatch.setattr(D, "_supervise", supervise)
+    assert D.launch_nodes("fsdp_train.py", [1, 1]) == "launched" and len(endpoints) == 2
+    assert D.port_taken(["... address already in use"]) and not D.port_taken(["Timed out waiting 2000ms"])
+
+    def fails(path, nproc, agents, *, timeout_s, echo):
+        raise D.LaunchError("failed", returncode=1, lines=["RuntimeError: something else"])
+    monkeypatch.setattr(D, "_supervise", fails)
+    with pytest.raises(D.LaunchError):  # any other failure: no second launch
+        D.launch_nodes("fsdp_train.py", [1, 1])
 
 
 def test_timeout_demo_names_the_timeout():

@@ -30,8 +30,9 @@ Back in the notebook, what a launch timed in the same rounds becomes one ``utils
 the course. :func:`scaling` puts DDP's and FSDP2's throughput on 1, 2, …, N GPUs (:func:`gpu_counts`) against one
 GPU's; :func:`efficiency` reads it, :func:`shortfall` splits the efficiency into DDP's own work and the step's growth
 from one GPU to n, each with its verdict, and :func:`step_verdict` gives a verdict the reason measured in the
-profiles (:func:`step_parts`, :func:`step_difference`). :func:`fsdp_against_ddp` compares the two wrappers' steps
-and peaks; :func:`checkpoint_rows` the losses of a checkpoint resumed on another number of GPUs.
+profiles (:func:`step_parts`, :func:`step_difference`). :func:`fsdp_against_ddp` compares the two wrappers' steps,
+model state and peaks; :func:`no_sync_effect` gradient accumulation with and without ``no_sync()``;
+:func:`checkpoint_rows` the losses of a checkpoint resumed on another number of GPUs.
 
 Also here: bus bandwidth of an all-reduce and what the benchmark's rows say (:func:`bus_rate`,
 :func:`allreduce_rows`, :func:`allreduce_figure`, :func:`allreduce_time_s`, :func:`per_call_floor`), the
@@ -337,7 +338,9 @@ def launch_nodes(script: str | Path, nproc_per_node: Sequence[int], args: Sequen
     rendezvous on ``localhost:<free port>`` that the first agent keeps. ``devices[i]``, if given, is agent ``i``'s
     ``CUDA_VISIBLE_DEVICES`` (:func:`split_devices`): each node its own GPUs, as on separate machines. Lines are
     prefixed with ``[node i]``; what :func:`launch` says of output, results, deadline and errors holds here, and when
-    one agent fails the others are stopped 10 s later (they would wait for its processes until their timeout).
+    one agent fails the others are stopped 10 s later (they would wait for its processes until their timeout). The
+    port is free when chosen but not reserved: if the first agent finds it taken (:func:`port_taken`), the agents
+    are started once more on another (:data:`RENDEZVOUS_ATTEMPTS`).
 
     Raises:
         LaunchTimeout, LaunchError: as :func:`launch`. ValueError: for fewer than two nodes, a node without
@@ -348,10 +351,9 @@ def launch_nodes(script: str | Path, nproc_per_node: Sequence[int], args: Sequen
         raise ValueError(f"launch_nodes(): need 2 or more nodes of at least one process (and one device list per "
                          f"node), got {list(nproc_per_node)} and {devices}")
     path = script_path(script)
-    endpoint, run_id = f"localhost:{free_port()}", f"course-{os.getpid()}-{time.monotonic_ns()}"
     world = sum(nproc_per_node)
 
-    def agents(result: str) -> list[tuple[list[str], dict[str, str], str]]:
+    def agents(result: str, endpoint: str, run_id: str) -> list[tuple[list[str], dict[str, str], str]]:
         out = []
         for node, nproc in enumerate(nproc_per_node):
             env = child_env(world, nccl_debug=nccl_debug, extra=extra_env)
@@ -362,7 +364,30 @@ def launch_nodes(script: str | Path, nproc_per_node: Sequence[int], args: Sequen
             out.append((cmd, env, f"[node {node}] "))
         return out
 
-    return _supervise(path, world, agents, timeout_s=timeout_s, echo=echo)
+    for attempt in range(1, RENDEZVOUS_ATTEMPTS + 1):
+        # free_port() releases the port it found: another process may take it before the first agent listens
+        endpoint, run_id = f"localhost:{free_port()}", f"course-{os.getpid()}-{time.monotonic_ns()}"
+        try:
+            return _supervise(path, world, lambda result, e=endpoint, r=run_id: agents(result, e, r),
+                              timeout_s=timeout_s, echo=echo)
+        except LaunchTimeout:
+            raise
+        except LaunchError as err:
+            if attempt == RENDEZVOUS_ATTEMPTS or not port_taken(err.lines):
+                raise
+            print(f"the rendezvous port {endpoint} was taken before the first agent listened on it: launching "
+                  "again on another", flush=True)
+    raise AssertionError("unreachable")
+
+
+#: How often :func:`launch_nodes` starts its agents when the rendezvous port it chose was taken meanwhile.
+RENDEZVOUS_ATTEMPTS = 2
+_PORT_TAKEN = re.compile(r"EADDRINUSE|[Aa]ddress already in use")
+
+
+def port_taken(lines: Sequence[str]) -> bool:
+    """Whether a failed launch's output says a port it wanted to listen on was taken (``EADDRINUSE``)."""
+    return any(_PORT_TAKEN.search(line) for line in lines)
 
 
 #: After one agent of a several-node launch failed, how long the others may take to notice before they are killed.
@@ -537,9 +562,12 @@ def timeout_demo(device_type: str, nproc: int, *, collective_timeout_s: float, d
     that names the timeout. Under NCCL it runs with :data:`FAIL_FAST_NCCL_ENV` (no flight-recorder dump, the
     watchdog's wait for the dumps cut to a second); rank 0's announcement is the only line shown.
 
+    The script joins its process group with the usual timeout (starting the processes can take longer than the
+    short one on a busy machine) and runs the all-reduce in a group made with ``collective_timeout_s``.
+
     Raises:
         AssertionError: when the collective completed, or the launcher's deadline (not the timeout) ended it, or
-            the failure does not name the timeout.
+            the run failed before rank 0 called the all-reduce, or the failure does not name the timeout.
     """
     called: list[float] = []
 
@@ -559,11 +587,12 @@ def timeout_demo(device_type: str, nproc: int, *, collective_timeout_s: float, d
             from err
     except LaunchError as err:
         first = str(err).splitlines()[0]
+        assert called, f"the run failed before rank 0 called the all-reduce, so not on its timeout: {first}"
         assert re.search(r"[Tt]imed out|[Tt]imeout", first), f"the failure should name the timeout: {first}"
         end = time.perf_counter()
-        after = f"{end - called[0]:.1f} s after rank 0 called the all-reduce, " if called else ""
-        return (f"the launch failed {after}{end - start:.1f} s after it began (timeout {collective_timeout_s:g} s; "
-                f"the rest is starting {nproc} processes and joining the group): {first[:240]}")
+        return (f"the launch failed {end - called[0]:.1f} s after rank 0 called the all-reduce, {end - start:.1f} s "
+                f"after it began (timeout {collective_timeout_s:g} s; the rest is starting {nproc} processes and "
+                f"joining the group): {first[:240]}")
     raise AssertionError("the mismatched collective completed: it should have timed out")
 
 
@@ -1230,20 +1259,69 @@ def scaling_figure(scaling_: Comparison, ladder: Sequence[int], *, unit: str = "
 
 
 def fsdp_against_ddp(variants: Mapping[str, Mapping[str, Any]], n: int, *, unit: str = "GPU"
-                     ) -> tuple[Verdict, float | None, str]:
+                     ) -> tuple[Verdict, dict[str, float | None], str]:
     """FSDP2's step against DDP's on ``n`` GPUs (``fsdp:n`` and ``ddp:n`` of ``scripts/ddp_train.py``, the same
-    rounds) and their peak memory per GPU: the verdict, FSDP2's peak over DDP's (None on a CPU, which has no peak
-    to read) and a sentence with both."""
+    rounds) and their memory per GPU: the verdict; ``{"state_ratio": ..., "peak_ratio": ...}``, FSDP2's model state
+    (parameters, gradients, AdamW's moments: ``state_bytes``) and its peak over DDP's (None where not reported; a
+    CPU has no peak to read); and two lines: the verdict, then the memory with what the rest of the peak says
+    (:func:`peak_beyond_state`). Sharding over n ranks should leave a state ratio near 1/n."""
     from utils.memory import format_bytes
 
     verdict = compared(variants, {scaled_name("DDP", n, unit): f"ddp:{n}",
                                   scaled_name("FSDP2", n, unit): f"fsdp:{n}"}).verdict()
-    peaks = [variants[f"{kind}:{n}"].get("peak_bytes") for kind in ("ddp", "fsdp")]
-    if not all(peaks):
-        return verdict, None, f"{verdict} (peak memory per {unit} is measured on GPUs only)"
-    ratio = peaks[1] / peaks[0]
-    return verdict, ratio, (f"{verdict}; peak memory per {unit} {format_bytes(peaks[1])} against "
-                            f"{format_bytes(peaks[0])} ({ratio:.2f}×)")
+    ddp, fsdp = variants[f"ddp:{n}"], variants[f"fsdp:{n}"]
+    ratios: dict[str, float | None] = {"state_ratio": None, "peak_ratio": None}
+    said = []
+    if ddp.get("state_bytes") and fsdp.get("state_bytes"):
+        states = [m["state_bytes"]["total"] for m in (fsdp, ddp)]
+        ratios["state_ratio"] = states[0] / states[1]
+        said.append(f"model state (parameters, gradients, AdamW) {format_bytes(states[0])} against "
+                    f"{format_bytes(states[1])} ({ratios['state_ratio']:.2f}×; 1/{n} = {1 / n:.2f})")
+    if ddp.get("peak_bytes") and fsdp.get("peak_bytes"):
+        ratios["peak_ratio"] = fsdp["peak_bytes"] / ddp["peak_bytes"]
+        said.append(f"peak {format_bytes(fsdp['peak_bytes'])} against {format_bytes(ddp['peak_bytes'])} "
+                    f"({ratios['peak_ratio']:.2f}×)")
+        if ratios["state_ratio"] is not None:
+            said[-1] += ": " + peak_beyond_state(ddp, fsdp)
+    else:
+        said.append(f"peak memory per {unit} is measured on GPUs only")
+    return verdict, ratios, f"{verdict}\nFSDP2 against DDP, per {unit}: " + "; ".join(said)
+
+
+def no_sync_effect(variants: Mapping[str, Mapping[str, Any]], check: Mapping[str, Any],
+                   rows: Sequence[dict[str, Any]], *, resolution: float = 0.03, **options: Any
+                   ) -> tuple[Comparison, str]:
+    """Gradient accumulation with ``no_sync()`` against an all-reduce after every micro-batch: ``accum_no_sync``
+    and ``accum_sync`` of ``scripts/ddp_train.py``, timed in the same rounds, as a :class:`utils.bench.Comparison`
+    (``options`` go to it: ``title``, ...), and its verdict with the reason for the outcome it has
+    (``Verdict.explain``): the all-reduces that no_sync skips per optimizer step and the time they take at the
+    bandwidth the all-reduce benchmark measured (its ``rows``) for messages of DDP's bucket size, against the step.
+    ``check`` is the script's ``--check`` result: its gradient bytes and its count of all-reduces (DDP's buckets)
+    in one synchronised backward. A skipped time within the resolution cannot show; a larger one that does not
+    show was hidden behind backward's computation; a gain beyond it (even at the low end of the band) says the
+    skipped calls cost more than their transfer."""
+    from utils.memory import format_bytes
+
+    names = {"all-reduce every micro-batch": "accum_sync", "no_sync but the last": "accum_no_sync"}
+    comparison = compared(variants, names, resolution=resolution, **options)
+    verdict = comparison.verdict()
+    skipped = variants["accum_sync"]["allreduce_bytes"] - variants["accum_no_sync"]["allreduce_bytes"]
+    buckets = check["accumulation"]["no_sync"]["allreduce_calls"]  # one synchronised backward: DDP's buckets
+    calls = round(buckets * skipped / check["grad_bytes"])
+    skipped_s, row = allreduce_time_s(rows, skipped, max(calls, 1))
+    step_s = comparison.time_s("all-reduce every micro-batch")
+    share = skipped_s / step_s
+    what = (f"it skips {calls} all-reduces of {format_bytes(skipped)} in all per optimizer step, "
+            f"{fmt(skipped_s)} at the bandwidth measured for {format_bytes(row['bytes'])} messages" if row else
+            "it skips no all-reduce")
+    what += f": {share:.0%} of the {fmt(step_s)} step"
+    hidden = (f"{what}, more than the ±{resolution:.0%} resolved: backward's computation hid them (DDP all-reduces "
+              "each bucket while backward goes on)")
+    gained_at_least = 1 - 1 / verdict.band[0]  # the share of the step saved, at the low end of the band
+    faster = what + (f"; the step gained {1 - 1 / verdict.speedup:.0%}, more than that: here the skipped all-reduces "
+                     "cost more than their bytes at the measured rate" if gained_at_least > share else "")
+    return comparison, verdict.explain(faster=faster, same=what + ": too little to resolve" if share <= resolution
+                                       else hidden, inconclusive=f"at stake: {what}")
 
 
 def checkpoint_rows(saved: Mapping[str, Any], resumed: Mapping[str, Sequence[Mapping[str, Any]]]
