@@ -317,6 +317,28 @@ def test_static_decoder_with_its_prefill_in_a_graph_equals_recomputation():
     assert torch.equal(decoder.out[:, :17], gpt2.generate_recompute(model, idx, 12))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_full_size_prefill_graph_in_16_bits_matches_the_eager_prefill():
+    """Notebook 08's shapes: GPT-2 small in 16 bits, a 128-token prompt into a 384-position cache, so the captured
+    prefill's attention takes a boolean mask over the whole cache (the fused kernels' masked path, in a graph)."""
+    config = gpt2.GPT2Config()
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    model = gpt2.GPT2(config).to(device="cuda", dtype=dtype).eval()
+    idx = torch.randint(0, config.vocab_size, (1, 128), device="cuda", generator=torch.Generator("cuda").manual_seed(3))
+    graphed = gpt2.StaticDecoder(model, batch=1, max_len=384, graph_prefill=True)
+    eager = gpt2.StaticDecoder(model, batch=1, max_len=384)
+    for _ in range(2):  # the first call captures, the second replays
+        graphed.prefill(idx)
+    eager.prefill(idx)
+    assert list(graphed.prefill_graphs) == [128] and int(graphed.pos) == 128
+    torch.testing.assert_close(graphed.cache.k[:, :, :, :128], eager.cache.k[:, :, :, :128])
+    torch.testing.assert_close(graphed.cache.v[:, :, :, :128], eager.cache.v[:, :, :, :128])
+    assert gpt2.is_greedy(model, graphed.out[:, :129], 128)
+    tokens = graphed.generate(idx, 64)
+    assert tokens.shape == (1, 192) and torch.equal(tokens[:, :128], idx) and gpt2.is_greedy(model, tokens, 128)
+
+
 def test_graph_prefill_is_ignored_on_a_cpu():
     config = gpt2.GPT2Config.tiny()
     torch.manual_seed(0)

@@ -73,6 +73,20 @@ def test_read_hf_child_builds_one_comparison_against_the_fastest_hf_variant():
     assert hf.comparison.verdict("ours").outcome == "faster"
     assert hf.comparison.rate("ours") == pytest.approx(256 / 0.0605, rel=0.02)
     assert "1 compiled, 0 from its cache" in hf.report() and "first call 2.0 s" in hf.report()
+    assert hf.verdict_line("ours").startswith("ours vs HF generate, static cache: ")
+    assert "faster" in hf.verdict_line("ours") and "whole generation" in hf.verdict_line("ours")
+
+
+def test_read_hf_child_without_ours_in_its_comparison_gives_a_line_not_a_key_error():
+    """Ours failed in the child, both Hugging Face variants were timed: their comparison stands, ours has no verdict."""
+    result = {"stage": isolate.DONE, "variants": {
+        "ours": {"error": "RuntimeError: capture failed"},
+        "HF generate, dynamic cache": {"first_call_s": 2.0, "greedy": True, "timing": timing("d", [1.5, 1.6, 1.5])},
+        "HF generate, static cache": {"first_call_s": 14.0, "greedy": True, "timing": timing("s", [0.4, 0.41, 0.4])}}}
+    hf = inference.read_hf_child(child(0, result), 256)
+    assert hf.comparison is not None and "ours" not in hf.comparison.variants
+    assert "not timed together" in hf.verdict_line("ours") and "capture failed" in hf.report()
+    assert "not timed together" in inference.HFChild().verdict_line("ours")
 
 
 def test_read_hf_child_keeps_the_last_comparison_after_a_deadline_and_says_why():
@@ -124,3 +138,24 @@ def test_batch_sweep_finds_the_knee_and_says_what_grew():
     with pytest.raises(ValueError, match="batch 1"):
         inference.batch_sweep(by_batch, model, [2, 4], prompt=16, new_tokens=24, copy_gbps=1.0)
     assert sweep.plot("sweep") is not None
+    assert sweep.verdicts[8].outcome == "slower" and sweep.unresolved == []
+
+
+def test_batch_sweep_reads_no_knee_from_a_growth_its_rounds_do_not_resolve():
+    """A loaded CPU: batch 2's median step reads 1.35× batch 1's, but its rounds scatter across 1 — no knee, no
+    cause, and no claim that extra sequences were free either; a resolved growth later is still the knee."""
+    model = gpt2.GPT2(gpt2.GPT2Config.tiny())
+    rounds = {"batch 1": [0.01] * 6, "batch 2": [0.005, 0.03, 0.004, 0.04, 0.013, 0.014], "batch 4": [0.0101] * 6}
+    work = bench.Work({"batch 1": 23, "batch 2": 46, "batch 4": 92}, "tokens")
+    sweep = inference.batch_sweep(bench.Comparison.from_rounds(rounds, work=work), model, [1, 2, 4], prompt=16,
+                                  new_tokens=24, copy_gbps=100.0)
+    assert sweep.growth[2] > sweep.GROWTH and sweep.verdicts[2].outcome == "inconclusive"
+    assert sweep.knee is None and sweep.unresolved == [2]
+    text = "\n".join(sweep.reading())
+    assert "did not resolve" in text and "knee" in text
+    assert "nearly free" not in text and "work of each kernel grew" not in text
+    rounds["batch 4"] = [0.02, 0.021, 0.019, 0.02, 0.02, 0.0205]  # 2× batch 1's in every round
+    sweep = inference.batch_sweep(bench.Comparison.from_rounds(rounds, work=work), model, [1, 2, 4], prompt=16,
+                                  new_tokens=24, copy_gbps=100.0)
+    assert sweep.knee == 4 and sweep.unresolved == [2]
+    assert "grows by more than a quarter at batch 4" in "\n".join(sweep.reading())

@@ -462,7 +462,7 @@ class StaticDecoder:
         so ``rewind(); decode(n)`` runs the last decode's steps again from the same state — the same work, which is
         what lets the decode steps be timed without the prefill. The tokens it makes are the last decode's up to the
         decoder's run-to-run variation: a kernel whose reduction order varies between runs can flip a near-tie of
-        the two best logits (notebook 08's ``check_rewound`` reports where the sequences part).
+        the two best logits (an H200 run saw rewound tokens part from the first decode's at position 250).
 
         Raises:
             RuntimeError: before any prefill.

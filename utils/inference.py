@@ -11,8 +11,8 @@ against the bytes it must read, and the batch-size sweep.
 - :func:`read_hf_child` — ``scripts/hf_generate.py``'s report as one :class:`utils.bench.Comparison` of whole
   generations (ours and Hugging Face ``generate``, timed in the same alternating rounds in the child).
 - :func:`busy_against_bytes` — a profiled step's busy time against the bytes it must read at the copy bandwidth.
-- :class:`BatchSweep` — decode steps by batch size: rates, the first batch whose step grows by a quarter, and
-  what grew there.
+- :class:`BatchSweep` — decode steps by batch size: rates, the first batch whose step is resolved to grow by more
+  than a quarter (its verdict against batch 1 "slower"), and what grew there.
 
 A note on the bandwidth: ``tokens/s ≤ bandwidth / bytes per step`` uses the *copy* bandwidth measured in the same
 run (a read and a write per byte). A stream that only reads can beat it by a little, so it is a yardstick to put
@@ -130,6 +130,13 @@ class HFChild:
     def report(self) -> str:
         return "\n".join(self.lines)
 
+    def verdict_line(self, ours: str) -> str:
+        """``ours`` against the fastest Hugging Face variant, whole generation against whole generation; or why
+        there is no such verdict (the child did not time the two in the same rounds: :meth:`report` says why)."""
+        if self.comparison is None or ours not in self.comparison.variants:
+            return f"{ours} vs Hugging Face generate: not timed together in this run (the child's report says why)"
+        return f"{self.comparison.verdict(ours)}, whole generation against whole generation"
+
 
 def read_hf_child(child, new_tokens: int, *, record: str | None = None) -> HFChild:
     """Read a :class:`utils.isolate.ChildRun` of ``scripts/hf_generate.py``: a line per variant (its first call, the
@@ -187,18 +194,32 @@ def busy_against_bytes(profile, step_bytes: int, copy_gbps: float, *, on_gpu: bo
 @dataclass
 class BatchSweep:
     """Decode steps by batch size, from one comparison whose variants are named ``"batch {b}"``: each batch's
-    :class:`utils.gpt2.DecodeRate`, the step's growth over batch 1's, and the first batch whose step grows by more
-    than :attr:`GROWTH` (the knee)."""
+    :class:`utils.gpt2.DecodeRate`, the step's growth over batch 1's, each batch's verdict against batch 1 (the same
+    rounds), and the knee: the first batch whose step grows by more than :attr:`GROWTH` *and* whose verdict
+    resolves it ("slower"). A growth the rounds did not resolve names no knee and no cause."""
 
     rates: dict[int, gpt2.DecodeRate]
     growth: dict[int, float]
     kv_bytes_at_knee: int | None
     weight_bytes: int
+    verdicts: dict[int, bench.Verdict] = field(default_factory=dict)  # each batch's step against batch 1's
     GROWTH = 1.25
+
+    def _resolved(self, batch: int) -> bool:
+        verdict = self.verdicts.get(batch)
+        return verdict is None or verdict.outcome == "slower"
 
     @property
     def knee(self) -> int | None:
-        return next((b for b, g in self.growth.items() if g > self.GROWTH), None)
+        return next((b for b, g in self.growth.items() if g > self.GROWTH and self._resolved(b)), None)
+
+    @property
+    def unresolved(self) -> list[int]:
+        """Batches before the knee (or any, without one) whose step read more than :attr:`GROWTH` × batch 1's
+        although their verdict did not resolve a slow-down: noise the rounds could not separate from a knee."""
+        knee = self.knee
+        return [b for b, g in self.growth.items()
+                if g > self.GROWTH and not self._resolved(b) and (knee is None or b < knee)]
 
     def rows(self) -> list[dict[str, object]]:
         return [r.row() for r in self.rates.values()]
@@ -207,15 +228,21 @@ class BatchSweep:
         """What bounds batch 1's step, and what grew at the knee: bytes near the bandwidth, else the kernels' work."""
         one = self.rates[1].pct_copy or 0.0
         bound = ("its step is bound by the bytes it reads" if one >= 70 else
-                 "its step is bound partly by the bytes, partly by per-kernel costs" if one >= 40 else
-                 "its step is bound by per-kernel costs (each kernel's start and drain, kernels too small to reach "
-                 "the bandwidth), not by the bytes")
+                 "its step is bound partly by the bytes, partly by fixed costs per kernel" if one >= 40 else
+                 "its step is bound by fixed costs per kernel (each kernel's or operator's start and drain, each too "
+                 "small to reach the bandwidth), not by the bytes")
         lines = [f"batch 1 reads at {one:.0f}% of the copy bandwidth: {bound}"]
+        for b in self.unresolved:  # the verdict's band is of speed-ups (batch 1 / batch b): as growths, inverted
+            lo, hi = self.verdicts[b].band
+            lines.append(f"batch {b}'s step read {self.growth[b]:.2f}× batch 1's, band {1 / hi:.2f}–{1 / lo:.2f}× over "
+                         f"{self.verdicts[b].rounds} rounds: the rounds did not resolve it, so no knee or cause is "
+                         "read from it")
         knee = self.knee
         if knee is None:
             last = max(self.rates)
-            lines.append(f"the step stayed within a quarter of batch 1's up to batch {last}: extra sequences were "
-                         f"still nearly free at {last}")
+            if not self.unresolved:
+                lines.append(f"the step stayed within a quarter of batch 1's up to batch {last}: extra sequences "
+                             f"were still nearly free at {last}")
             return lines
         pct, kv, w = self.rates[knee].pct_copy or 0.0, self.kv_bytes_at_knee or 0, self.weight_bytes
         there = (f"the step first grows by more than a quarter at batch {knee}, reading at {pct:.0f}% of the copy "
@@ -240,7 +267,8 @@ class BatchSweep:
 def batch_sweep(by_batch: bench.Comparison, model: gpt2.GPT2, batches: Sequence[int], *, prompt: int,
                 new_tokens: int, copy_gbps: float | None) -> BatchSweep:
     """A :class:`BatchSweep` from a comparison of decode steps alone (``new_tokens − 1`` steps per call, variants
-    ``"batch {b}"``, batch 1 among them), bytes counted at the average context.
+    ``"batch {b}"``, batch 1 among them), bytes counted at the average context, each batch judged against batch 1
+    in the comparison's own rounds.
 
     Raises:
         ValueError: without batch 1 among ``batches``.
@@ -250,9 +278,10 @@ def batch_sweep(by_batch: bench.Comparison, model: gpt2.GPT2, batches: Sequence[
     rates = {b: gpt2.decode_rate(f"batch {b}", by_batch.time_s(f"batch {b}"), model, batch=b, prompt=prompt,
                                  new_tokens=new_tokens, copy_gbps=copy_gbps) for b in batches}
     growth = {b: rates[b].ms_per_token / rates[1].ms_per_token for b in batches}
+    verdicts = {b: by_batch.verdict(f"batch {b}", against="batch 1") for b in batches if b != 1}
     context = prompt + new_tokens // 2
     weights = gpt2.bytes_per_decode_step(model, 0, context)
-    sweep = BatchSweep(rates, growth, None, weights)
+    sweep = BatchSweep(rates, growth, None, weights, verdicts)
     if sweep.knee is not None:
         sweep.kv_bytes_at_knee = gpt2.bytes_per_decode_step(model, sweep.knee, context) - weights
     return sweep
