@@ -140,8 +140,10 @@ def test_wall_seconds_span_the_cells_timings():
     nb.cells[3].metadata["execution"] = {"iopub.execute_input": "2026-11-28T10:01:00.100Z",
                                          "shell.execute_reply": "2026-11-28T10:02:05.000Z"}
     assert reference_run.wall_seconds(nb) == 124.5  # cell 2 has no timings: not counted, not a failure
+    assert reference_run.slowest_cells(nb) == [(3, 64.9), (1, 59.5)]
     reference_run.drop_cell_timings(nb)
     assert reference_run.wall_seconds(nb) is None
+    assert reference_run.slowest_cells(nb) == []
 
 
 def test_run_record_counts_the_gpus_a_notebook_used():

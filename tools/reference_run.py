@@ -110,6 +110,19 @@ def wall_seconds(nb) -> float | None:
     return round((max(ends) - min(starts)).total_seconds(), 1) if starts else None
 
 
+def slowest_cells(nb, count: int = 5) -> list[tuple[int, float]]:
+    """The ``count`` code cells that took longest, as (cell index, seconds), slowest first, read from the same
+    per-cell timings as :func:`wall_seconds` (the run log names where a notebook's time goes)."""
+    spans = []
+    for index, cell in enumerate(nb.cells):
+        timing = cell.get("metadata", {}).get("execution", {})
+        if "iopub.execute_input" in timing and "shell.execute_reply" in timing:
+            seconds = (dt.datetime.fromisoformat(timing["shell.execute_reply"])
+                       - dt.datetime.fromisoformat(timing["iopub.execute_input"])).total_seconds()
+            spans.append((index, round(seconds, 1)))
+    return sorted(spans, key=lambda span: -span[1])[:count]
+
+
 def drop_cell_timings(nb) -> None:
     """Remove the per-cell timings (not part of a committed notebook; :func:`wall_seconds` reads them first)."""
     for cell in nb.cells:
@@ -287,6 +300,9 @@ def main(argv: list[str] | None = None) -> int:
             continue
         settle_progress_bars(nb)
         stamp = run_record(nb, machine)
+        slowest = ", ".join(f"cell {index} {seconds:.0f} s" for index, seconds in slowest_cells(nb))
+        if slowest:
+            print(f"{path.name}: slowest cells {slowest}")
         drop_cell_timings(nb)
         nb.metadata["reference_run"] = stamp
         course.sync_run_time_line(nb)
