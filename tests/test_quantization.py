@@ -108,6 +108,30 @@ def test_decode_sweep_on_cpu_checks_times_and_reports():
     assert sweep.record({"x": ("GPT-2 XL 1.5B", "int8", "speedup")}) == []  # a size this run did not reach
 
 
+def test_sweep_reasons_set_the_time_saved_against_what_the_bytes_explain():
+    """The reason beside a size's verdict compares the time int8 saved per token with the time its fewer bytes take
+    at the copy bandwidth: more than 1.5× → elsewhere; within 1.5× → the bytes; less → kernels below the bandwidth."""
+    class Times:  # stands in for the size's comparison: seconds per call of 1 step
+        def __init__(self, base, int8):
+            self.t = {"bf16": base, "int8": int8}
+
+        def time_s(self, v):
+            return self.t[v]
+
+    def reasons(base_s, int8_s):
+        size = uq.SizeResult("m", gpt2.GPT2Config.tiny(), 1, Times(base_s, int8_s), 1,
+                             {"bf16": 2_000_000, "int8": 1_000_000}, {}, {}, {})  # 1 MB fewer: 1 µs at 1,000 GB/s
+        return uq.DecodeSweep([size], 1000.0, "bf16", variants=["bf16", "int8"])._reasons(size, "int8")
+
+    assert "most of the gain comes from elsewhere" in reasons(10e-6, 5e-6)["faster"]  # saved 5 µs: 5× the bytes
+    assert "about what the bytes explain" in reasons(10e-6, 9e-6)["faster"]
+    assert "well below the copy bandwidth" in reasons(10e-6, 9.5e-6)["faster"]  # saved 0.5 µs
+    assert "10% of bf16's 10 µs per token" in reasons(10e-6, 10e-6)["same"]
+    no_copy = uq.DecodeSweep([], None, "bf16", variants=["bf16", "int8"])
+    size = uq.SizeResult("m", gpt2.GPT2Config.tiny(), 1, Times(1.0, 0.5), 1, {"bf16": 2, "int8": 1}, {}, {}, {})
+    assert no_copy._reasons(size, "int8")["faster"] == "int8 reads 2.00× fewer bytes per token"
+
+
 def test_decode_sweep_fails_before_timing_when_a_quantization_breaks_the_model():
     def broken(model):
         quantize_linears(model)
@@ -201,6 +225,7 @@ def test_fp8_sweep_checks_every_recipe_against_bf16(monkeypatch):
     assert result.variants == ["bf16", "fp8, per-tensor scales", "fp8, row-wise scales"]
     lines = uq.fp8_verdicts(result, to_fp8, device="cpu")
     assert len(lines) == 4 and "converting one 128×128 bf16 activation" in lines[2]
+    assert "counted in, fp8 would be" in lines[2] and "× bf16's speed" in lines[2]
 
     def wrong(a8, sa, b8, sb):  # forgets the scales
         return torch._scaled_mm(a8, b8.t(), scale_a=torch.tensor(1.0), scale_b=torch.tensor(1.0),
