@@ -105,6 +105,8 @@ def test_decode_sweep_on_cpu_checks_times_and_reports():
     assert rows[0]["model"] == "tiny" and "int8 vs bf16" in rows[0]
     assert len(sweep.verdicts()) == 1 and sweep.verdicts()[0].startswith("tiny: int8 vs bf16")
     assert sweep.memory_rows()[0]["int8 weights"] and sweep.accuracy_rows()
+    labels = [tick.get_text() for tick in sweep.plot().axes[0].get_xticklabels()]
+    assert labels == [uq._count(size.params)] and uq._count(1_557_611_200) == "1.56 B"
     assert sweep.record({"x": ("GPT-2 XL 1.5B", "int8", "speedup")}) == []  # a size this run did not reach
 
 

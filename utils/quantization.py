@@ -253,6 +253,14 @@ class SizeResult:
         return None if c.limit is None else 100 * c.rate(variant) / c.limit
 
 
+def _count(n: float) -> str:
+    """A parameter count for an axis: 82 K, 124 M, 1.56 B."""
+    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.3g} {suffix}"
+    return f"{n:.0f}"
+
+
 @dataclass
 class DecodeSweep:
     """Batch-1 decoding, variant by variant and size by size (:func:`decode_sweep`)."""
@@ -341,16 +349,22 @@ class DecodeSweep:
                 "inconclusive": small}
 
     def plot(self, title: str = "Batch-1 decoding by model size: tokens/s (solid), % of copy bandwidth (dashed)"):
+        from matplotlib.ticker import NullLocator
+
         from utils.plot import curves
 
         x = [s.params for s in self.sizes]
         right = None
         if self.copy_gbps:
             right = {f"{v}, % of copy bandwidth": (x, [s.pct_copy(v) for s in self.sizes]) for v in self.variants}
-        return curves({f"{v}, tokens/s": (x, [s.tokens_per_s(v) for s in self.sizes]) for v in self.variants},
-                      xlabel="parameters (log scale)", ylabel="tokens/s at batch 1", logx=True, logy=True,
-                      right=right, right_label="% of the copy bandwidth" if right else None, legend_outside=True,
-                      xticks=lambda p: f"{p / 1e6:,.0f} M", title=title)
+        fig = curves({f"{v}, tokens/s": (x, [s.tokens_per_s(v) for s in self.sizes]) for v in self.variants},
+                     xlabel="parameters (log scale)", ylabel="tokens/s at batch 1", logx=True, logy=True,
+                     right=right, right_label="% of the copy bandwidth" if right else None, legend_outside=True,
+                     title=title)
+        ax = fig.axes[0]
+        ax.set_xticks(x, [_count(p) for p in x])  # a tick at each model's size, not at powers of ten
+        ax.xaxis.set_minor_locator(NullLocator())
+        return fig
 
     def record(self, figures: Mapping[str, tuple[str, str, str]]) -> list[str]:
         """Record figures of the size named in each spec: ``{figure: (size name, variant, quantity)}``, quantity
