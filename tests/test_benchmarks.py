@@ -115,6 +115,32 @@ def test_guide_range_and_compile_pairs():
         bm.compile_summary([])
 
 
+def test_compile_pair_columns_have_the_pairs_own_speed_up():
+    # a noisy baseline: the table's times divide its median by each variant's speed-up against it, so the ratio
+    # of eager's and compiled's table times need not be the pair's own speed-up (the median of their ratios)
+    c = _comparison({"guide": [0.30, 0.50, 0.31, 0.52, 0.33, 0.55, 0.30, 0.50],
+                     "eager": [0.20, 0.22, 0.20, 0.23, 0.21, 0.20, 0.22, 0.21],
+                     "compiled": [0.10, 0.20, 0.10, 0.21, 0.11, 0.19, 0.10, 0.20]})
+    pair = bm.CompilePair("model", c, "eager", "compiled", 1.0)
+    columns = pair.per_item_s()
+    assert columns["eager"] == pytest.approx(c.time_s("eager") / 100)  # as the comparison's table shows it
+    assert columns["eager"] / columns["compiled = eager ÷ speed-up"] == pytest.approx(pair.verdict.speedup)
+    assert c.time_s("eager") / c.time_s("compiled") != pytest.approx(pair.verdict.speedup, rel=1e-3)
+    assert set(pair.row()) >= {"eager", "compiled = eager ÷ speed-up", "speed-up", "verdict"}
+
+
+def test_hedged_marks_a_resolved_difference_at_the_resolutions_edge():
+    edge = _comparison({"a": [1.0] * 6 + [1.0] * 6, "b": [1 / 1.032] * 6 + [1 / 1.004, 1 / 1.26] * 3})
+    v = edge.verdict("b")
+    assert v.outcome == "faster" and v.band[0] < 1.03
+    assert bm.hedged(v).startswith(v.short + " (band from 1") and "about the 3% resolution" in bm.hedged(v)
+    assert bm.hedged(v, long=True).startswith(v.text) and bm.hedged(v, long=True).endswith("3% resolution")
+    clear = _comparison({"a": [0.2] * 8, "b": [0.1] * 8}).verdict("b")
+    assert bm.hedged(clear) == clear.short and bm.hedged(clear, long=True) == clear.text
+    slow_edge = _comparison({"a": [1.0] * 12, "b": [1.032] * 6 + [1.004, 1.26] * 3}).verdict("b")
+    assert slow_edge.outcome == "slower" and "about the 3% resolution" in bm.hedged(slow_edge)
+
+
 def test_table_row_uses_the_comparisons_numbers():
     c = _comparison({"guide": [0.2] * 8, "best": [0.1] * 8})
     row = bm.table_row("GPT-2 generation", c, "guide", "best", "40% of the copy bandwidth", comparable=True,
@@ -123,6 +149,28 @@ def test_table_row_uses_the_comparisons_numbers():
     assert row["vs the 4090"].endswith("(host-bound)") and row["limit"] == "40% of the copy bandwidth"
     same = bm.table_row("GPT-2 generation", c, "guide", "guide", "", comparable=False)
     assert same["best vs guide setting"] == "— (it is the best)"
+
+
+def test_a_best_that_ties_with_the_next_is_named_with_it():
+    c = _comparison({"guide": [0.2] * 8, "batch 128": [0.1, 0.101, 0.099, 0.1] * 2, "batch 256": [0.1] * 8})
+    best = c.fastest
+    tie = bm.best_against_next(c)
+    assert tie.variant == best and tie.baseline != best and tie.outcome != "faster"
+    row = bm.table_row("BERT-Large inference", c, "guide", best, "", comparable=True)
+    assert row["best setting"].startswith(f"{best} (or {tie.baseline}: ")
+    clear = _comparison({"guide": [0.2] * 8, "batch 128": [0.15] * 8, "batch 256": [0.1] * 8})
+    assert bm.best_against_next(clear).outcome == "faster"
+    assert bm.table_row("BERT-Large inference", clear, "guide", "batch 256", "", comparable=True)[
+        "best setting"] == "batch 256"
+    with pytest.raises(ValueError):
+        bm.best_against_next(Comparison({"guide": c.timings["guide"]}, "guide"))  # nothing to be next
+
+
+def test_transposed_turns_rows_into_lines():
+    rows = [{"task": "A", "x": "1", "y": "2"}, {"task": "B", "x": "3", "y": "4"}]
+    assert bm.transposed(rows) == [{"": "x", "A": "1", "B": "3"}, {"": "y", "A": "2", "B": "4"}]
+    with pytest.raises(ValueError):
+        bm.transposed([])
 
 
 GENERATED = """
@@ -146,6 +194,8 @@ def test_attention_kernels_and_their_change():
     assert list(bm.attention_kernels(eager)) == ["fmha_cutlassF_f32_aligned_64x64_rf_sm80"]
     text = bm.attention_change(eager, compiled)
     assert "eager: fmha_cutlassF" in text and "compiled: no attention kernel ran" in text
+    two = _profile([("fmha_a", 300.0), ("flash_fwd_b", 100.0)])
+    assert "(2 attention kernels by name)" in bm.attention_change(two, compiled)
 
 
 def test_profile_reading_gives_the_verdict_then_the_profiles():
@@ -155,13 +205,21 @@ def test_profile_reading_gives_the_verdict_then_the_profiles():
     lines = bm.profile_reading(c.verdict("compiled"), eager, compiled, names=("eager", "compiled")).splitlines()
     assert lines[0].startswith("compiled against eager: 1.25× slower") and len(lines) == 3
     assert "no attention kernel ran" in lines[2]
+    # the clause on what fusion can save: for a compile pair only, and there the matmul work is what stays
+    assert "fusion" not in lines[1] and "matmul and attention" not in lines[1]
+    compiled_pair = bm.profile_reading(c.verdict("compiled"), eager, compiled, names=("eager", "compiled"),
+                                       compile_pair=True).splitlines()
+    assert "matmul kernels take 50% of eager's step: that work stays after compiling" in compiled_pair[1]
+    assert "attention may be lowered" in compiled_pair[1] and compiled_pair[1].count("fusion") == 1
 
 
 def test_decode_floor_names_the_floor():
     near = _profile([("gemv", 90.0)] * 10, wall_s=1e-3)
     assert "near the memory limit" in bm.decode_floor(near, 1e-3, 2.4e12 * 1e-3 * 0.8, 2400)
     many = _profile([(f"k{i}", 2.0) for i in range(300)], wall_s=1e-3)
-    assert "per-kernel costs" in bm.decode_floor(many, 1e-3, 2.4e12 * 1e-4, 2400)
+    text = bm.decode_floor(many, 1e-3, 2.4e12 * 1e-4, 2400)
+    assert "the bytes explain only 10% of the step, the rest is per-kernel time (3.33 µs per kernel" in text
+    assert "÷ its 300 kernels" in text
     one = _profile([("slow_kernel", 600.0), ("k", 10.0)], wall_s=1e-3)
     assert "slow_kernel" in bm.decode_floor(one, 1e-3, 2.4e12 * 1e-4, 2400)
     with pytest.raises(ValueError):
@@ -172,16 +230,22 @@ def test_cross_check_reads_the_other_notebooks_reference_run(tmp_path):
     entry = {"08_inference": {"run": None, "figures": {"gpt2_tok_s_kv_cache": {"value": 200.0, "unit": "tokens/s"}}}}
     (tmp_path / "h200.json").write_text(json.dumps(entry))
     kwargs = dict(notebook="08_inference", figure="gpt2_tok_s_kv_cache", gpu="NVIDIA H200", results_dir=tmp_path)
-    assert bm.cross_check(210.0, **kwargs).endswith("1.05× that — within 20%")
-    assert "reference run (H200)" in bm.cross_check(210.0, **kwargs)  # no run record: the file's GPU
+    within = bm.cross_check(210.0, **kwargs)
+    assert str(within).endswith("1.05× that — within 20%") and within.agrees and within.note == ""
+    assert "reference run (H200)" in str(within)  # no run record: the file's GPU
     apart = bm.cross_check(95.0, **kwargs)
-    assert "apart by more than 20%" in apart and "notebook sources changed since" in apart
+    assert "apart by more than 20%" in str(apart) and "notebook sources changed since" in str(apart)
+    assert "compiles earlier in either process" in str(apart)
+    assert not apart.agrees and apart.note == "0.47× notebook 08's run of the same step: see the cross-check"
+    built = bm.cross_check(95.0, **kwargs, earlier="a compile and a Triton build")
+    assert "compiles earlier in the process (this one ran a compile and a Triton build)" in str(built)
     run = {"gpu": "NVIDIA H200", "date": "2026-11-27", "torch": "2.11.0+cu130", "shared_host": True}
     (tmp_path / "h200.json").write_text(json.dumps({"08_inference": entry["08_inference"] | {"run": run}}))
     assert "reference run (NVIDIA H200, 2026-11-27, torch 2.11.0+cu130, beside other notebooks)" in \
-        bm.cross_check(210.0, **kwargs)
-    assert "nothing to cross-check against" in bm.cross_check(95.0, **(kwargs | {"gpu": "NVIDIA H100 80GB HBM3"}))
-    assert "nothing to cross-check against" in bm.cross_check(95.0, **(kwargs | {"figure": "other"}))
+        str(bm.cross_check(210.0, **kwargs))
+    nothing = bm.cross_check(95.0, **(kwargs | {"gpu": "NVIDIA H100 80GB HBM3"}))
+    assert "nothing to cross-check against" in str(nothing) and nothing.ratio is None and nothing.note == ""
+    assert "nothing to cross-check against" in str(bm.cross_check(95.0, **(kwargs | {"figure": "other"})))
 
 
 def test_guide_chart_draws_the_guide_the_reference_runs_and_this_run(tmp_path):
@@ -191,10 +255,28 @@ def test_guide_chart_draws_the_guide_the_reference_runs_and_this_run(tmp_path):
                          results_dir=tmp_path, here="this GPU", recorded={"best": 6100.0})
     labels = [t.get_text() for t in fig.axes[0].get_yticklabels()]
     assert labels == ["the guide", "H200, reference run (best)", "this GPU (best)"]
+    assert "the other GPUs' reference runs in results/" in fig._suptitle.get_text()
     same_kind = bm.guide_chart([("ResNet-50", "images/s", {"the guide": 1850}, {"best": "best"})],
                                notebook="09_benchmarks", results_dir=tmp_path, here="NVIDIA H200",
                                recorded={"best": 6100.0})  # its own kind's file: the run it replaces, left out
     assert [t.get_text() for t in same_kind.axes[0].get_yticklabels()] == ["the guide", "NVIDIA H200 (best)"]
+    assert same_kind._suptitle.get_text() == "The guide's table: its RTX 4090, and this run"  # no other run drawn
+
+
+def test_two_timings_of_one_step_say_both_and_which_is_quoted():
+    first = _comparison({"guide": [0.4] * 8, "best": [0.1, 0.12, 0.09, 0.11] * 2})
+    second = _comparison({"synthetic": [0.085, 0.086, 0.085, 0.0855] * 2, "decode": [0.05] * 8})
+    text = bm.two_timings("best", first, second, second_variant="synthetic", first_where="in section 1",
+                          second_where="here")
+    assert text.startswith(f"best, timed in two comparisons: {bm.format_value(first.rate('best'))} images/s (band ")
+    assert "in section 1;" in text and "outside the first's band" in text
+    assert text.endswith("the rate quoted for the step elsewhere is the first")
+    close = _comparison({"synthetic": [0.1, 0.1, 0.1, 0.1] * 2, "decode": [0.05] * 8})
+    assert "inside the first's band" in bm.two_timings("best", first, close, second_variant="synthetic",
+                                                       first_where="a", second_where="b")
+    with pytest.raises(ValueError):
+        bm.two_timings("a", Comparison.from_rounds({"a": [1, 1], "b": [1, 1]}), close, first_where="",
+                       second_where="", second_variant="synthetic")
 
 
 def test_first_call_code_returns_what_inductor_generated_without_resetting_dynamo():

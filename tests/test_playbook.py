@@ -188,7 +188,7 @@ def test_findings_rows_print_and_chart(capsys):
     findings.observed("to_device", ".cuda() fails without a GPU", "yes (behaviour)")
     rows = findings.rows()
     assert [r["claim"] for r in rows] == ["TF32 matmuls", "compile · MLP", "cudnn.benchmark", "CUDA graphs",
-                                          ".to(device) vs .cuda()"]
+                                          ".cuda() vs .to(device)"]
     assert list(rows[0]) == ["claim", "what the guide promises", "measured here", "outcome"]
     assert [r["measured here"] for r in rows[:3]] == ["3.00× faster", "no difference > 3%",
                                                       "inconclusive: 1.05×, band 0.70–1.50×"]
@@ -203,6 +203,9 @@ def test_findings_rows_print_and_chart(capsys):
     # a bar without a resolved difference still has a length: its label gives the ratio with the verdict
     assert [t.get_text() for t in fig.axes[0].texts] == ["3.00× faster", "1.00×, no difference > 3%",
                                                           "1.05×, inconclusive"]
+    # a legend names the colours: one entry per outcome that occurs, none for one that does not
+    legend = fig.axes[0].get_legend()
+    assert [t.get_text() for t in legend.get_texts()] == ["faster", "no difference", "inconclusive"]
 
 
 def test_explain_gives_the_reason_for_the_outcome_that_happened(capsys):
@@ -221,7 +224,7 @@ def test_explain_gives_the_reason_for_the_outcome_that_happened(capsys):
     assert "the GPU waits" in capsys.readouterr().out
     findings.observed("to_device", "ran", "yes (behaviour)")
     with pytest.raises(ValueError, match="no timed verdict"):
-        findings.explain(".to(device) vs .cuda()", unexpected="?")
+        findings.explain(".cuda() vs .to(device)", unexpected="?")
     with pytest.raises(ValueError, match="outcome"):
         findings.measured("tf32", comparison(2.0), why="the old keyword")
 
@@ -709,13 +712,15 @@ def test_a_host_paced_change_is_read_from_the_hosts_wait_with_its_cost_per_call(
     compiled = gpu_profile(2410, [("triton_poi_fused", 30, 3.5)])
     text = playbook.profile_change(eager, compiled, launch_us={"ATen op": 11.0, "compiled call": 50.2})
     assert text.endswith("the GPU's wait for the host went 1.87 ms → 2.3 ms per step: host-bound, the host sets "
-                         "the pace (host per call: ATen op 11 µs, compiled call 50.2 µs on this CPU)"), text
+                         "the pace (30 launches per step, 80.3 µs of the step each; host per call: ATen op 11 µs, "
+                         "compiled call 50.2 µs on this CPU)"), text
     # a resolved shrink that leaves the GPU waiting: the remedy, with the host's cost per call beside it
     nchw = gpu_profile(33_300, [("sm90_xmma_fprop_implicit_gemm", 10, 318.0), ("bn_fw", 100, 243.2)])
     nhwc = gpu_profile(31_500, [("sm90_xmma_fprop_implicit_gemm", 10, 254.0), ("bn_fw", 100, 125.6)])
     shrunk = playbook.profile_change(nchw, nhwc, launch_us={"ATen op": 11.0})
     assert shrunk.endswith("(host-bound in these rounds: the GPU waited for the host, whose pace can vary within a "
-                           "run; host per call: ATen op 11 µs on this CPU)"), shrunk
+                           "run; 110 launches per step, 286 µs of the step each; host per call: ATen op 11 µs on "
+                           "this CPU)"), shrunk
     # no cure is asserted: the host's pace varies within a run, and a profile cannot say what would remove the wait
     assert "only fewer launches" not in shrunk and "CUDA graphs" not in shrunk and "reduce-overhead" not in shrunk
     # a loader-fed epoch waits for its batches too
@@ -724,6 +729,66 @@ def test_a_host_paced_change_is_read_from_the_hosts_wait_with_its_cost_per_call(
                         "launches)")
     assert "CUDA graphs" not in fed
     assert playbook.host_per_call(None) == "" and playbook.host_per_call({}) == ""
+
+
+def test_a_shrink_that_is_all_copies_is_said_from_the_counts():
+    # a DataLoader epoch, pageable → pinned: the same 8 copies and 100 kernels; only the copies got shorter
+    pageable = gpu_profile(472_000, [("Memcpy HtoD (Pageable -> Device)", 8, 5_800.0), ("conv_fprop", 100, 1_200.0)])
+    pinned = gpu_profile(437_000, [("Memcpy HtoD (Pinned -> Device)", 8, 700.0), ("conv_fprop", 100, 1_190.0)])
+    text = playbook.profile_change(pageable, pinned, waits_for="the loader's batches")
+    assert ": the copies shrank 8.29× (8 → 8 per step, 46.4 ms → 5.6 ms); the kernels unchanged (100 → 100 per step, " \
+           "120 ms → 119 ms), but the GPU waits for the host" in text, text
+    assert "the GPU work shrank" not in text
+    # kernels that changed by more than 5%, the copies still carrying most of it: both said, with their counts
+    both = gpu_profile(437_000, [("Memcpy HtoD (Pinned -> Device)", 8, 700.0), ("conv_fprop", 100, 1_100.0)])
+    assert "the copies shrank 8.29× (8 → 8 per step, 46.4 ms → 5.6 ms); the kernels shrank 1.09× (100 → 100 per " \
+           "step, 120 ms → 110 ms)" in playbook.profile_change(pageable, both)
+    # kernels that carry most of the change: the work as a whole, as before
+    fewer = gpu_profile(300_000, [("Memcpy HtoD (Pinned -> Device)", 8, 700.0), ("conv_fprop", 100, 600.0)])
+    assert ": the GPU work shrank 2.54×, but" in playbook.profile_change(pageable, fewer)
+
+
+def test_a_label_names_the_variant_first_as_the_verdict_does(capsys):
+    """".to(device) vs .cuda()" over a comparison whose baseline is .to(device) put "slower" on the advised call."""
+    timed = comparison(1 / 1.05, (".to(device)", ".cuda()"))  # .cuda() the variant, 1.05× slower
+    findings = playbook.Findings()
+    with pytest.raises(ValueError, match="names the baseline"):
+        findings.measured("to_device", timed, label=".to(device) vs .cuda()", expected="same")
+    assert ".to(device) vs .cuda()" not in findings
+    # the tip's own name reads as the notebook times it: variant first, baseline second
+    assert playbook.TIPS["to_device"].name == ".cuda() vs .to(device)"
+    findings.measured("to_device", timed, expected="same")
+    assert capsys.readouterr().out.startswith(".cuda() vs .to(device): 1.05× slower")
+    assert findings.rows()[0]["claim"] == ".cuda() vs .to(device)" and findings.rows()[0]["measured here"] == \
+        "1.05× slower"
+    # a label after the tip's name, in the verdict's order, and labels without " vs ", pass
+    findings.measured("sdpa", comparison(2.0, ("math", "flash")), label="SDPA · flash vs math")
+    findings.measured("tf32", comparison(2.0, ("fp32", "tf32")), label="TF32 · fp32 Transformer step")
+    with pytest.raises(ValueError, match="name the variant first"):
+        findings.measured("sdpa", comparison(2.0, ("math", "flash")), label="SDPA · math vs flash")
+
+
+def test_same_step_apart_reads_the_drift_against_the_resolution():
+    s2 = gpu_profile(30_800, [("k", 100, 152.0)])
+    s3 = gpu_profile(33_300, [("k", 100, 152.0)])
+    s5 = gpu_profile(30_100, [("k", 100, 152.0)])
+    text = playbook.same_step_apart({"section 2": s2, "section 3": s3, "section 5": s5}, resolution=0.03,
+                                    what="The channels_last step")
+    assert text.startswith("The channels_last step took 30.8 ms in section 2, 33.3 ms in section 3, 30.1 ms in "
+                           "section 5, with GPU busy 15.2 ms, 15.2 ms, 15.2 ms. "), text
+    # an 8% (here 11%) drift with the same GPU work is read as the host's, never hidden under a 10% threshold
+    assert ("With the same GPU work (within ±3%) it took 11% longer in section 3 than in section 5, beyond the ±3% "
+            "the protocol resolves: the host slowed there, its wait grew 21% (14.9 ms → 18.1 ms per step)") in text
+    assert text.endswith("Each comparison's verdict uses its own number, timed in rounds that alternate with its "
+                         "partner")
+    steady = playbook.same_step_apart({"a": s2, "b": gpu_profile(31_200, [("k", 100, 152.0)])}, resolution=0.03)
+    assert "agree within the ±3% the protocol resolves: the host kept its pace" in steady
+    other = playbook.same_step_apart({"a": s2, "b": gpu_profile(33_300, [("k", 100, 170.0)])}, resolution=0.03)
+    assert "The GPU work differs by 12%, more than the ±3% the protocol resolves" in other
+    with pytest.raises(ValueError, match="two readings"):
+        playbook.same_step_apart({"a": s2}, resolution=0.03)
+    with pytest.raises(ValueError, match="resolution"):
+        playbook.same_step_apart({"a": s2, "b": s3}, resolution=3)
 
 
 def test_explain_by_profiles_passes_the_hosts_cost_and_what_the_gpu_waits_for(monkeypatch, capsys):

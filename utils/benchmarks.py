@@ -1,6 +1,7 @@
 """The guide's benchmark table (notebooks 09 and 09b): its rows, a rate read against a figure published for another
 GPU, the check that a variant computes its reference's result, the compile row, what a compiled graph did to
-attention, why a decode step stays short of the memory limit, and a cross-check against another notebook's run.
+attention, why a decode step stays short of the memory limit, a cross-check against another notebook's run, and a
+step timed in two comparisons (:func:`two_timings`).
 
     with utils.benchmarks.full_fp32():                      # the checks' reference: fp32 matmuls without TF32
         reference = model(x)
@@ -167,6 +168,20 @@ def guide_range(speedup: float) -> str:
     return "below" if speedup < low else "above" if speedup > high else "within"
 
 
+def hedged(v: Verdict, *, long: bool = False) -> str:
+    """A verdict's short form (:attr:`Verdict.short`; ``long``: :attr:`Verdict.text`, with its band), and for a
+    resolved difference whose band reaches into the resolution (e.g. "1.03× faster" with a band from 1.004×) a
+    note that the effect is about the size of the resolution: the rounds tell it apart from 1, but hardly from a 3%
+    effect."""
+    lo, hi = v.band
+    near = lo < 1 + v.resolution if v.outcome == "faster" else hi > 1 / (1 + v.resolution)
+    if v.outcome in ("faster", "slower") and near:
+        edge = lo if v.outcome == "faster" else 1 / hi
+        return (f"{v.text}: about the {v.resolution:.0%} resolution" if long else
+                f"{v.short} (band from {edge:.3g}×: about the {v.resolution:.0%} resolution)")
+    return v.text if long else v.short
+
+
 @dataclass(frozen=True)
 class CompilePair:
     """An entry of the compile row: ``compiled`` against ``eager``, two variants of comparison ``c``, and the first
@@ -183,12 +198,22 @@ class CompilePair:
     def verdict(self) -> Verdict:
         return self.c.verdict(self.compiled, against=self.eager)
 
+    def per_item_s(self) -> dict[str, float]:
+        """Seconds per item: eager's as the comparison's table shows it (:meth:`~utils.bench.Comparison.time_s`),
+        and the compiled one's as eager's over the pair's own speed-up (the median of their per-round ratios), so
+        that the two columns' ratio is the pair's speed-up. (The table's compiled time divides the comparison's
+        baseline instead, so it can differ from this by the noise of the rounds against the baseline.)"""
+        if not self.c.work:
+            return {}
+        eager_call_s = self.c.time_s(self.eager)
+        return {"eager": eager_call_s / self.c.work.of(self.eager),
+                "compiled = eager ÷ speed-up": eager_call_s / self.verdict.speedup / self.c.work.of(self.compiled)}
+
     def row(self) -> dict[str, str]:
         v = self.verdict
-        per_item = {k: format_seconds(self.c.time_s(getattr(self, k)) / self.c.work.of(getattr(self, k)))
-                    for k in ("eager", "compiled")} if self.c.work else {}
+        per_item = {k: format_seconds(s) for k, s in self.per_item_s().items()}
         return {"model": self.name + (" · the guide's setting" if self.guide else ""), **per_item,
-                "speed-up": f"{v.speedup:.2f}×", "verdict": v.short, "the guide's 1.3–2×": guide_range(v.speedup),
+                "speed-up": f"{v.speedup:.2f}×", "verdict": hedged(v), "the guide's 1.3–2×": guide_range(v.speedup),
                 "compile time": f"{max(self.compile_s, 0.0):.0f} s"}
 
 
@@ -208,17 +233,45 @@ def compile_summary(pairs: Sequence[CompilePair]) -> str:
             f"({high.name})")
 
 
+def best_against_next(c: Comparison, best: str | None = None) -> Verdict:
+    """The verdict of the fastest variant (or ``best``) against the next fastest, from the same rounds: whether
+    the best is a resolved winner or a tie.
+
+    Raises:
+        ValueError: for a comparison with fewer than two variants.
+    """
+    best = best or c.fastest
+    others = [v for v in c.variants if v != best]
+    if not others:
+        raise ValueError("best_against_next() needs a comparison of at least two variants")
+    return c.verdict(best, against=min(others, key=c.time_s))
+
+
 def table_row(task: str, c: Comparison, guide: str, best: str, limit: str, *, comparable: bool,
               note: str = "") -> dict[str, str]:
     """A row of the guide's table on this machine: the guide's figure, its setting here against it, the best here
-    and its verdict against the guide's setting (same rounds), how far the best is from the limit."""
+    and its verdict against the guide's setting (same rounds), how far the best is from the limit. Where the best
+    is not resolved faster than the next fastest (:func:`best_against_next`), its setting names both."""
     row = GUIDE[task]
+    setting = best
+    if len(c.variants) > 2 and best == c.fastest:
+        nearest = best_against_next(c, best)
+        if nearest.outcome != "faster":
+            setting = f"{best} (or {nearest.baseline}: {nearest.short} between them)"
     return {"task": f"{task} ({row.unit})", "guide's 4090": f"{row.rate:,.0f}",
             "guide setting here": format_value(c.rate(guide)),
             "vs the 4090": against_guide(c, guide, row.rate, comparable=comparable) + (f" ({note})" if note else ""),
             "best here": format_value(c.rate(best)),
-            "best vs guide setting": "— (it is the best)" if best == guide else c.verdict(best, against=guide).short,
-            "limit": limit, "best setting": best}
+            "best vs guide setting": "— (it is the best)" if best == guide else hedged(c.verdict(best, against=guide)),
+            "limit": limit, "best setting": setting}
+
+
+def transposed(rows: Sequence[Mapping[str, str]], key: str = "task") -> list[dict[str, str]]:
+    """Rows of the guide's table turned on their side, for :func:`utils.plot.table`: one line per column, one
+    column per row (headed by its ``key``), so that a row with long cells stays narrow."""
+    if not rows:
+        raise ValueError("transposed() needs at least one row")
+    return [{"": name, **{str(r[key]): str(r[name]) for r in rows}} for name in rows[0] if name != key]
 
 
 # ── Attention: in the compiled graph, and in the kernels that ran ────────────────────────────────────────────
@@ -288,7 +341,7 @@ def attention_change(before: StepProfile, after: StepProfile, names: tuple[str, 
         if kernels:
             top, seconds = next(iter(kernels.items()))
             parts.append(f"{label}: {_short(top)}, {format_seconds(seconds)} per {p.unit}"
-                         + (f" ({len(kernels)} attention kernels)" if len(kernels) > 1 else ""))
+                         + (f" ({len(kernels)} attention kernels by name)" if len(kernels) > 1 else ""))
         else:
             parts.append(f"{label}: no attention kernel ran — its attention was matmul and softmax kernels")
     return "attention — " + "; ".join(parts)
@@ -300,7 +353,9 @@ def attention_change(before: StepProfile, after: StepProfile, names: tuple[str, 
 def decode_floor(profile: StepProfile, step_s: float, step_bytes: float, copy_gbps: float) -> str:
     """Why a decode step (one replay, or one eager step) takes ``step_s``: its bytes at the copy bandwidth, or the
     per-kernel costs of its many small kernels, read from its profile. Near the bandwidth (≥ 70%) it says so;
-    otherwise it names the kernel that takes the most time, or the kernel count against the bytes' time."""
+    otherwise it names the kernel that takes the most time, or the share of the step its bytes explain and the
+    rest as time per kernel (the step's time ÷ its kernels: under programmatic dependent launch kernels overlap,
+    so this is a kernel's share of the step, not its duration)."""
     if step_s <= 0 or step_bytes <= 0 or copy_gbps <= 0:
         raise ValueError("decode_floor() needs a positive step time, byte count and bandwidth")
     what = "kernels" if profile.on_gpu else "operators"
@@ -323,27 +378,51 @@ def decode_floor(profile: StepProfile, step_s: float, step_bytes: float, copy_gb
     if per_call > 0.3 * step_s:
         return (f"{head} — short of the memory limit, and one {what[:-1]} call takes {format_seconds(per_call)} "
                 f"of the step: {_short(top, 70)}")
-    return (f"{head} — short of the memory limit because of per-{what[:-1]} costs: {format_seconds(step_s / n)} "
-            f"per {what[:-1]} where the bytes need {format_seconds(bytes_s / n)}; fewer, fused {what} per token "
-            "would take it further, more bandwidth would not")
+    return (f"{head} — short of the memory limit: the bytes explain only {pct:.0f}% of the step, the rest is "
+            f"per-{what[:-1]} time ({format_seconds(step_s / n)} per {what[:-1]}: the step's time ÷ its {n:.0f} "
+            f"{what}); fewer, fused {what} per token would take it further, more bandwidth would not")
 
 
 # ── Cross-checks and the chart ────────────────────────────────────────────────────────────────────────────────
 
 
+@dataclass(frozen=True)
+class CrossCheck:
+    """The outcome of :func:`cross_check`: its sentence (``str()`` of it), this run's value over the other run's
+    (``ratio``, None where there was nothing to compare with) and whether the two agree within the tolerance."""
+
+    text: str
+    ratio: float | None = None
+    agrees: bool = True
+    notebook: str = ""
+
+    def __str__(self) -> str:
+        return self.text
+
+    @property
+    def note(self) -> str:
+        """A few words for the row that quotes the checked figure: empty where the runs agree (or nothing was
+        compared), else how far apart they are, pointing to the cross-check."""
+        if self.agrees or self.ratio is None:
+            return ""
+        return f"{self.ratio:.2f}× notebook {self.notebook}'s run of the same step: see the cross-check"
+
+
 def cross_check(value: float, *, notebook: str, figure: str, gpu: str, results_dir: str | Path,
-                tolerance: float = 0.2) -> str:
+                tolerance: float = 0.2, earlier: str = "") -> CrossCheck:
     """This run's ``value`` against ``figure`` of ``notebook``'s reference run on the same kind of GPU (from
     ``results_dir``, matched by :func:`utils.env.gpu_slug`): one sentence with both numbers, their ratio, and which
     run it was (its GPU, date and torch, from the run record where there is one). Apart by more than ``tolerance``
     (20%), it says so and lists what can part two runs of the same step — it cannot tell which one applies, so it
-    names none as the cause. Without such a figure, it says there is nothing to compare with."""
+    names none as the cause; ``earlier`` names what this process ran before the timing (e.g. "a compile and a Triton
+    build"), which joins the list. Without such a figure, it says there is nothing to compare with. Returns a
+    :class:`CrossCheck` (its ``note`` goes beside the figure where the runs disagree)."""
     entry = reference_results(results_dir).get(gpu_slug(gpu), {}).get(notebook)
     payload = (entry or {}).get("figures", {}).get(figure)
     number = notebook.split("_")[0]
     if payload is None:
-        return (f"nothing to cross-check against: notebook {number}'s reference runs in results/ have no {figure} "
-                f"for {gpu}")
+        return CrossCheck(f"nothing to cross-check against: notebook {number}'s reference runs in results/ have no "
+                          f"{figure} for {gpu}", notebook=number)
     run = (entry or {}).get("run") or {}
     which = ", ".join(str(part) for part in (run.get("gpu") or gpu_slug(gpu).upper(), run.get("date"),
                                               run.get("torch") and f"torch {run['torch']}") if part)
@@ -354,10 +433,13 @@ def cross_check(value: float, *, notebook: str, figure: str, gpu: str, results_d
     text = (f"{figure}: notebook {number}'s reference run ({which}) measured {format_value(ref)} "
             f"{payload.get('unit', '')}; this run {format_value(value)}, {ratio:.2f}× that")
     if abs(math.log(ratio)) > math.log(1 + tolerance):
-        return text + (f" — apart by more than {tolerance:.0%}: the two runs differ in something that matters "
-                       "(another process on the host, a profile before the timing, another host or GPU model, "
-                       "notebook sources changed since); trust neither until they agree")
-    return text + f" — within {tolerance:.0%}"
+        compiles = f"compiles earlier in the process (this one ran {earlier})" if earlier else \
+            "compiles earlier in either process"
+        return CrossCheck(text + f" — apart by more than {tolerance:.0%}: the two runs differ in something that "
+                          f"matters (another process on the host, a profile before the timing, {compiles}, another "
+                          "host or GPU model, notebook sources changed since); trust neither until they agree",
+                          ratio, False, number)
+    return CrossCheck(text + f" — within {tolerance:.0%}", ratio, True, number)
 
 
 def guide_chart(panels: Sequence[tuple[str, str, Mapping[str, float], Mapping[str, str]]], *, notebook: str,
@@ -374,10 +456,13 @@ def guide_chart(panels: Sequence[tuple[str, str, Mapping[str, float], Mapping[st
     cols = min(len(panels), 2)
     rows = math.ceil(len(panels) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(6.5 * cols, 3.6 * rows), squeeze=False)
+    others = False  # whether any other GPU's reference run is drawn: the title says so only then
     for ax, (title, unit, guide, figures) in zip(axes.flat, panels, strict=False):
         bars = dict(guide)
         for gpu, found in previous.items():
-            bars |= {f"{gpu}, reference run ({k})": found[f]["value"] for k, f in figures.items() if f in found}
+            drawn_runs = {f"{gpu}, reference run ({k})": found[f]["value"] for k, f in figures.items() if f in found}
+            bars |= drawn_runs
+            others = others or bool(drawn_runs)
         bars |= {f"{here} ({k})": recorded[f] for k, f in figures.items() if f in recorded}
         colours = ["#999999" if b in guide else "#DD8452" if b.startswith(here) else "#4C72B0" for b in bars]
         drawn = ax.barh(list(bars), list(bars.values()), color=colours)
@@ -388,18 +473,54 @@ def guide_chart(panels: Sequence[tuple[str, str, Mapping[str, float], Mapping[st
         ax.set(title=title, xlabel=unit)
     for ax in list(axes.flat)[len(panels):]:
         ax.set_visible(False)
-    fig.suptitle("The guide's table: its RTX 4090, the reference GPUs in results/, and this run")
+    fig.suptitle("The guide's table: its RTX 4090, " + ("the other GPUs' reference runs in results/, " if others
+                                                        else "") + "and this run")
     fig.tight_layout()
     plt.close(fig)
     return fig
 
 
-def profile_reading(verdict: Verdict, before: StepProfile, after: StepProfile, names: tuple[str, str]) -> str:
+def profile_reading(verdict: Verdict, before: StepProfile, after: StepProfile, names: tuple[str, str], *,
+                    compile_pair: bool = False) -> str:
     """What two profiles of the same work say about a verdict between them: the verdict, then which kind of kernel
     time shrank and grew (:func:`utils.profile.compare_profiles`), then the attention kernels of each
-    (:func:`attention_change`) — three lines, every reason read from the profiles, whatever the outcome."""
+    (:func:`attention_change`) — three lines, every reason read from the profiles, whatever the outcome.
+
+    The share of matmul kernels, and what fusion can save beside them, is said for a compile pair only
+    (``compile_pair``, :func:`utils.profile.compare_profiles`' ``fusion``): a change of type or batch size is no
+    fusion."""
     from utils.profile import compare_profiles
 
-    return "\n".join([f"{verdict.variant} against {verdict.baseline}: {verdict.text}",
-                      "  " + compare_profiles(before, after, names=names),
+    change = compare_profiles(before, after, names=names, fusion=compile_pair)
+    return "\n".join([f"{verdict.variant} against {verdict.baseline}: {hedged(verdict, long=True)}", "  " + change,
                       "  " + attention_change(before, after, names=names)])
+
+
+def two_timings(variant: str, first: Comparison, second: Comparison, *, first_where: str, second_where: str,
+                second_variant: str | None = None) -> str:
+    """One sentence on a variant timed in two comparisons (e.g. a training step timed against other settings,
+    then again beside an input pipeline): both rates with their bands, their ratio, and whether the second lies
+    inside the first's band. It says which figure the rest of the notebook quotes (the first) and that each
+    verdict uses its own comparison's rounds; it names no cause for a gap (the rounds differ in what ran beside
+    the variant, and in their baseline: :meth:`~utils.bench.Comparison.time_s`).
+
+    Raises:
+        ValueError: where either comparison has no rate (no work given).
+    """
+    second_variant = second_variant or variant
+    if first.work is None or second.work is None:
+        raise ValueError("two_timings() needs two comparisons with a rate (items=, bytes_moved= or flops=)")
+
+    def band(c: Comparison, v: str) -> tuple[float, float]:
+        slow_s, fast_s = c.time_band_s(v)[::-1]
+        return c.work.rate(v, slow_s), c.work.rate(v, fast_s)
+
+    (r1, b1), (r2, b2) = ((c.rate(v), band(c, v)) for c, v in ((first, variant), (second, second_variant)))
+    unit = first.work.rate_unit
+    inside = b1[0] <= r2 <= b1[1]
+    return (f"{variant}, timed in two comparisons: {format_value(r1)} {unit} (band {format_value(b1[0])}–"
+            f"{format_value(b1[1])}) {first_where}; {format_value(r2)} (band {format_value(b2[0])}–"
+            f"{format_value(b2[1])}) {second_where} — {max(r1, r2) / min(r1, r2):.2f}× apart, "
+            + ("inside the first's band" if inside else "outside the first's band: the rounds differ by more than "
+               "their noise")
+            + ". Each verdict uses its own comparison's rounds; the rate quoted for the step elsewhere is the first")

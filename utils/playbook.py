@@ -15,7 +15,8 @@ not hold" for noise. :func:`holds` still reads a verdict against the promise (ye
 
 The workloads (:func:`workloads`: MLP, Transformer, ResNet-50) and their training step (:meth:`Workload.step`) are
 shared by notebooks 07 and 07b; :func:`same_first_step` checks a variant's first step against its reference, and
-:func:`explain_by_profiles` profiles every comparison's variants after all timings and prints what changed.
+:func:`explain_by_profiles` profiles every comparison's variants after all timings and prints what changed;
+:func:`same_step_apart` reads one step timed in several comparisons against the protocol's resolution.
 
 :func:`diagnose` reads a :class:`utils.profile.StepProfile`: a step whose GPU waits for the host at least half the
 time is *launch-bound* and gains from fewer launches (CUDA graphs, fused optimizers; compile where it measured
@@ -73,8 +74,8 @@ TIPS: dict[str, Tip] = {t.key: t for t in (
     Tip("set_to_none", "zero_grad(set_to_none=True)", "faster: it avoids a memset", None, "launch",
         "optimizer.zero_grad(set_to_none=True)", True),
     Tip("compile", "torch.compile", "20–40% faster with zero code changes", 1.2, "other", "torch.compile(model)", True),
-    Tip("to_device", ".to(device) vs .cuda()", "the same copy; .to(device) also runs without a GPU", None, "",
-        "x.to(device)", True),
+    Tip("to_device", ".cuda() vs .to(device)", "the same copy; .to(device) also runs without a GPU", None, "",
+        "x.to(device)", True),  # named as timed: .cuda() the variant, .to(device) (the advice) the baseline
     Tip("cuda_graphs", "CUDA graphs", "(beyond the guide) launch overhead gone: faster launch-bound steps", None,
         "launch", "torch.cuda.graph / make_graphed_callables / utils.train.GraphedStep", False),
     Tip("fused_optimizer", "fused optimizer", "(beyond the guide) fewer optimizer kernels: a faster update", None,
@@ -318,15 +319,19 @@ def profile_change(before: StepProfile, after: StepProfile, *, kind: str | None 
     reading goes on with that wait, before → after ("the GPU's wait for the host went 1.87 ms → 2.31 ms per step:
     host-bound, the host sets the pace"): what a change of the step's time then comes from. Every host-bound reading
     carries the host's cost per call measured apart (``launch_us``, e.g. ``{"ATen op": 11.0, "compiled call":
-    50.2}``; :func:`host_per_call`), so that a reader on a faster or slower CPU can scale it. ``waits_for`` says what
-    the GPU waits for when it is not only launches ("the loader's batches and the step's launches"). A host-bound
+    50.2}``; :func:`host_per_call`) beside the step's launches and its time per launch ("927 launches per step,
+    33.2 µs of the step each; host per call: ATen op 11 µs on this CPU"), so that a reader on a faster or slower CPU
+    can scale it. A shrink carried by copies ("Memcpy ..."; the other kernels kept their count and changed less) is
+    said as such: "the copies shrank 8.19× (8 → 8 per epoch, ...); the kernels unchanged (...)".
+    ``waits_for`` says what the GPU waits for when it is not only launches ("the loader's batches and the step's
+    launches"). A host-bound
     reading names no cure: the host's pace varies with the process's state (the same step can wait far less in
     another part of the same run), and a profile cannot say which host work a remedy would remove.
 
     e.g. "conv kernels 3.18 ms → 2.54 ms per step (1.25× faster); GPU busy 27.5 ms → 15.1 ms, 999 → 927 kernels;
     GPU idle 17% → 52% of the step: the GPU work shrank 1.82×, but the GPU waits for the host 52% of the step
-    (host-bound in these rounds: the GPU waited for the host, whose pace can vary within a run; host per call:
-    ATen op 11 µs on this CPU)".
+    (host-bound in these rounds: the GPU waited for the host, whose pace can vary within a run; 927 launches per
+    step, 34 µs of the step each; host per call: ATen op 11 µs on this CPU)".
 
     Raises:
         TypeError: for anything but two StepProfiles.
@@ -341,6 +346,11 @@ def profile_change(before: StepProfile, after: StepProfile, *, kind: str | None 
     work, waiting = ("GPU", "the GPU waits for the host") if gpu else (
         "operator", "Python and dispatch between operators take")
     host = host_per_call(launch_us)
+    if host and after.kernels:  # beside the host's cost per call: the step's launches and its time per launch
+        calls = "launch" + "es" * (round(after.kernels_per_step) != 1) if gpu else "operator" + "s" * (
+            round(after.kernels_per_step) != 1)
+        host = (f"{after.kernels_per_step:,.0f} {calls} per {unit}, "
+                f"{format_seconds(after.wall_s / after.kernels_per_step)} of the {unit} each; {host}")
     parts = []
     if kind is not None:
         k0, k1 = time_by_class(before)[kind], time_by_class(after)[kind]
@@ -370,9 +380,41 @@ def profile_change(before: StepProfile, after: StepProfile, *, kind: str | None 
             why = f"the GPU waited for {waits_for}" if waits_for else (
                 "the GPU waited for the host, whose pace can vary within a run")
             remedy = f" (host-bound in these rounds: {why}" + (f"; {host}" if host else "") + ")"
-        return (text + f": the {work} work shrank {_ratio(shrank)}, but {waiting} {after.idle_fraction:.0%} of the "
+        return (text + f": {_shrank_text(before, after, shrank)}, but {waiting} {after.idle_fraction:.0%} of the "
                        f"{unit}{remedy}")
     return text
+
+
+#: The profiler's names of copies between host and device memory ("Memcpy HtoD (Pageable -> Device)", ...).
+COPY = re.compile(r"^Memcpy\b")
+
+
+def _shrank_text(before: StepProfile, after: StepProfile, shrank: float) -> str:
+    """"the GPU work shrank 1.82×"; or, where the kernels other than copies kept their count and the copies carry
+    most of the change, what the counts say: "the copies shrank 8.19× (8 → 8 per epoch, 46.3 ms → 5.65 ms); the
+    kernels unchanged (7432 → 7432 per epoch, 122 ms → 121 ms)" (a time within 5% is "unchanged")."""
+    work = "GPU" if after.on_gpu else "operator"
+    if not after.on_gpu:
+        return f"the {work} work shrank {_ratio(shrank)}"
+    parts = []
+    for p in (before, after):
+        copies = [k for k in p.kernels if COPY.search(k.name)]
+        parts.append((len(copies) / p.steps, sum(k.duration_us for k in copies) / 1e6 / p.steps,
+                      (len(p.kernels) - len(copies)) / p.steps,
+                      sum(k.duration_us for k in p.kernels if not COPY.search(k.name)) / 1e6 / p.steps))
+    (c0, cs0, k0, ks0), (c1, cs1, k1, ks1) = parts
+
+    def changed(a: float, b: float) -> str:
+        return "unchanged" if max(a, b) / min(a, b) < 1.05 else f"shrank {_ratio(a / b)}" if a > b else \
+            f"grew {_ratio(b / a)}"
+
+    copies_lead = abs(cs0 - cs1) >= abs(ks0 - ks1)  # the copies carry most of the change
+    if not (round(k0) == round(k1) and min(cs0, cs1, ks0, ks1) > 0 and copies_lead
+            and changed(cs0, cs1) != "unchanged"):
+        return f"the {work} work shrank {_ratio(shrank)}"
+    return (f"the copies {changed(cs0, cs1)} ({c0:,.0f} → {c1:,.0f} per {after.unit}, {format_seconds(cs0)} → "
+            f"{format_seconds(cs1)}); the kernels {changed(ks0, ks1)} ({k0:,.0f} → {k1:,.0f} per {after.unit}, "
+            f"{format_seconds(ks0)} → {format_seconds(ks1)})")
 
 
 def _host_wait(before: StepProfile, after: StepProfile, host: str) -> str:
@@ -387,6 +429,50 @@ def _host_wait(before: StepProfile, after: StepProfile, host: str) -> str:
 
 def _ratio(x: float) -> str:
     return f"{x:.2f}×"
+
+
+def same_step_apart(readings: Mapping[str, StepProfile], *, resolution: float, what: str = "the step") -> str:
+    """The same step, timed in several comparisons (``readings``: where → its profile, whose ``wall_s`` is the time
+    that comparison measured): whether its time agrees between them, read against the protocol's ``resolution``
+    (e.g. 0.03) and the GPU's work in each profile.
+
+    e.g. "the channels_last step took 30.8 ms in section 2, 33.3 ms in section 3, 30.1 ms in section 5, with GPU
+    busy 15.2 ms, 15.2 ms, 15.2 ms. With the same GPU work (within ±3%) it took 11% longer in section 3 than in
+    section 5, beyond the ±3% the protocol resolves: the host slowed there, its wait grew 16% (14.9 ms → 17.3 ms
+    per step). Each comparison's verdict uses its own number, timed in rounds that alternate with its partner".
+
+    Raises:
+        ValueError: for fewer than two readings, or a resolution outside (0, 1).
+    """
+    if len(readings) < 2:
+        raise ValueError(f"same_step_apart() compares two readings or more, got {len(readings)}")
+    if not 0 < resolution < 1:
+        raise ValueError(f"resolution must lie in (0, 1), got {resolution}")
+    where, profiles = list(readings), list(readings.values())
+    unit, work = profiles[0].unit, "GPU" if profiles[0].on_gpu else "operator"
+    seen = (f"{what} took " + ", ".join(f"{format_seconds(p.wall_s)} in {w}" for w, p in readings.items())
+            + f", with {work} busy " + ", ".join(format_seconds(p.busy_s) for p in profiles))
+
+    def apart(values: Sequence[float]) -> float:
+        return max(values) / min(values) - 1 if min(values) > 0 else math.inf
+
+    busy, wall = apart([p.busy_s for p in profiles]), apart([p.wall_s for p in profiles])
+    within = f"the ±{resolution:.0%} the protocol resolves"
+    if busy > resolution:
+        reading = (f"The {work} work differs by {busy:.0%}, more than {within}: the host's share cannot be told "
+                   "apart")
+    elif wall <= resolution:
+        reading = f"Its time and its {work} work agree within {within}: the host kept its pace"
+    else:
+        slow = max(range(len(profiles)), key=lambda i: profiles[i].wall_s)
+        fast = min(range(len(profiles)), key=lambda i: profiles[i].wall_s)
+        waits = profiles[fast].idle_s, profiles[slow].idle_s
+        grew = f", its wait grew {waits[1] / waits[0] - 1:.0%}" if waits[0] > 0 else ""
+        reading = (f"With the same {work} work (within ±{resolution:.0%}) it took {wall:.0%} longer in {where[slow]} "
+                   f"than in {where[fast]}, beyond {within}: the host slowed there{grew} "
+                   f"({format_seconds(waits[0])} → {format_seconds(waits[1])} per {unit})")
+    return (f"{seen}. {reading}. Each comparison's verdict uses its own number, timed in rounds that alternate with "
+            "its partner")
 
 
 # ── Whether a promise held: findings, their table and their chart ──────────────────────────────────────────────
@@ -423,6 +509,28 @@ def measured_text(verdict: Verdict) -> str:
 def _reasons(expected: Expected, unexpected: str | None, reasons: dict[str, str]) -> dict[str, str]:
     """Reasons keyed by outcome: ``unexpected`` for every resolved outcome but the expected one, then ``reasons``."""
     return {o: unexpected for o in _RESOLVED if o != expected and unexpected} | reasons
+
+
+def _names(side: str, variant: str) -> bool:
+    side, variant = side.strip().lower(), variant.strip().lower()
+    return bool(side and variant) and (variant in side or side in variant)
+
+
+def _check_label_order(label: str, verdict: Verdict) -> None:
+    """A label "A vs B" must name the verdict's variant first and its baseline second, as the verdict reads
+    ("A vs B: 1.03× slower" says A is the slower one).
+
+    Raises:
+        ValueError: where the side before " vs " names the baseline and the side after it the variant.
+    """
+    if " vs " not in label:
+        return
+    first, second = label.split(" vs ", 1)
+    first = first.rsplit(" · ", 1)[-1]  # "SDPA · flash vs math": the variant follows the tip's name
+    swapped = _names(first, verdict.baseline) and _names(second, verdict.variant)
+    if swapped and not (_names(first, verdict.variant) and _names(second, verdict.baseline)):
+        raise ValueError(f"the label {label!r} names the baseline ({verdict.baseline!r}) first: its verdict reads "
+                         f"{verdict.variant!r} vs {verdict.baseline!r}; name the variant first")
 
 
 @dataclass(frozen=True)
@@ -486,7 +594,9 @@ class Findings:
         Raises:
             TypeError: for a result that is neither a Comparison nor a Verdict.
             KeyError: for an unknown tip or variant.
-            ValueError: for a reason keyed by anything but an outcome.
+            ValueError: for a reason keyed by anything but an outcome, or a label "A vs B" that names the verdict's
+                baseline first and its variant second (:func:`_check_label_order`): the table would then put the
+                verdict's "slower" on the wrong side.
         """
         tip = self._tip(key)
         if isinstance(result, Comparison):
@@ -495,6 +605,7 @@ class Findings:
             verdict, comparison = result, None
         else:
             raise TypeError(f"measured() takes a utils.bench.Comparison or Verdict, got {type(result).__name__}")
+        _check_label_order(label or tip.name, verdict)
         held = holds(verdict, tip if promised else replace(tip, promised_speedup=None), expected)
         line = verdict.explain(**_reasons(expected, unexpected, reasons))
         print(line + (f" ({held.removeprefix('partly: faster, but ')})" if held.startswith("partly") else ""))
@@ -602,11 +713,12 @@ class Findings:
     def chart(self, *, title: str):
         """Speed-up per timed claim on a log axis, each with its band (the 95% interval of the median per-round
         speed-up) and the line of no change; bars coloured by outcome, each labelled with its verdict (a bar with
-        no resolved difference with its ratio too: "1.17×, inconclusive"). Returns a closed matplotlib Figure
-        (None when nothing was timed)."""
+        no resolved difference with its ratio too: "1.17×, inconclusive"), and a legend of the outcomes' colours.
+        Returns a closed matplotlib Figure (None when nothing was timed)."""
         timed = [f for f in self if f.verdict is not None]
         if not timed:
             return None
+        import matplotlib.patches
         import matplotlib.pyplot as plt
         import matplotlib.ticker
 
@@ -625,6 +737,10 @@ class Findings:
             ax.annotate(text, (max(1.0, bands[i][1]), i), xytext=(4, 0), textcoords="offset points", va="center",
                         fontsize=8)
         ax.axvline(1.0, color="black", linewidth=0.8)
+        words = {"faster": "faster", "slower": "slower", "same": "no difference", "inconclusive": "inconclusive"}
+        shown = [o for o in colours if any(f.verdict.outcome == o for f in timed)]  # the outcomes that occur
+        ax.legend(handles=[matplotlib.patches.Patch(color=colours[o], label=words[o]) for o in shown],
+                  title="outcome", loc="best", fontsize=8, title_fontsize=8)
         ax.set_xscale("log")
         low_end, high_end = min(0.8, *(lo for lo, _ in bands)) / 1.2, max(1.25, *(hi for _, hi in bands)) * 2.5
         ax.set_xlim(low_end, high_end)

@@ -306,7 +306,8 @@ def _largest_of_kind(p: StepProfile, kind: str) -> str | None:
     return total.most_common(1)[0][0] if total else None
 
 
-def compare_profiles(before: StepProfile, after: StepProfile, names: tuple[str, str] = ("eager", "compiled")) -> str:
+def compare_profiles(before: StepProfile, after: StepProfile, names: tuple[str, str] = ("eager", "compiled"), *,
+                     fusion: bool = True) -> str:
     """What changed from ``before`` to ``after``, two profiles of the same work (e.g. eager and compiled), as one
     sentence for a verdict's reason.
 
@@ -314,8 +315,9 @@ def compare_profiles(before: StepProfile, after: StepProfile, names: tuple[str, 
     most and the kind that grew most — matmul, attention or other kernels, or idle time (the differences of
     :meth:`StepProfile.time_by_kind` and :attr:`StepProfile.idle_s`; without kernels overlapping on two streams
     they add up to the change in wall time) — each with its largest kernel in both versions ("the largest in
-    both" when it is the same kernel). Last, the share of ``before``'s wall time in matmul and attention kernels:
-    fusing the kernels around them does not remove them, so what fusion can save lies in the rest.
+    both" when it is the same kernel). Last (``fusion``, for a compile: leave it out for a change of type or batch
+    size, which is no fusion), the share of ``before``'s wall time in matmul kernels: that work stays after
+    compiling, while attention may be lowered to other kernels, so fusion can save mostly in the rest.
 
     On a CPU the kernels are top-level operators and idle time is the time outside them: Python, dispatch, and the
     C++ code that a compiled graph generates (it runs no operator the profiler sees).
@@ -347,9 +349,10 @@ def compare_profiles(before: StepProfile, after: StepProfile, names: tuple[str, 
              f"{_format_us(before.wall_s * 1e6)} → {_format_us(after.wall_s * 1e6)}",
              change(shrank, "shrank") if deltas[shrank] < 0 else "no kind of time shrank",
              change(grew, "grew") if deltas[grew] > 0 else "no kind of time grew"]
-    fixed = (tb["matmul"] + tb["attention"]) / before.wall_s if before.wall_s > 0 else 0.0
-    parts.append(f"matmul and attention {what} take {fixed:.0%} of {b_name}'s {unit}: fusion does not remove them, "
-                 f"so what it can save lies in the other {max(0.0, 1 - fixed):.0%}")
+    if fusion:
+        share = tb["matmul"] / before.wall_s if before.wall_s > 0 else 0.0
+        parts.append(f"matmul {what} take {share:.0%} of {b_name}'s {unit}: that work stays after compiling "
+                     "(attention may be lowered to other kernels), so fusion can save mostly in the rest")
     return "; ".join(parts)
 
 
