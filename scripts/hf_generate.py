@@ -18,9 +18,10 @@ The result JSON (written after every step, so a crash or the deadline leaves wha
 the first call's seconds, the graphs Inductor compiled in it and those it loaded from its cache on disk, whether the
 tokens are the greedy ones, and its per-call times, one per alternating round (``utils.bench.Timing`` as a dict, for
 ``utils.bench.Comparison.from_rounds``); or the error that stopped it. The variants are timed together twice: once
-before the static cache's first call (its compile takes minutes on a host with few cores, and the deadline may end
-it) and again with it; each comparison replaces the times of the one before, so the variants that carry times were
-always timed in the same rounds.
+before the static cache's first call, in a few rounds (``--fallback-rounds``: its compile takes minutes on a host
+with few cores, and the deadline may end it), and again with it (``--rounds``); each comparison replaces the times of
+the one before, so the variants that carry times were always timed in the same rounds. ``comparisons`` lists each
+comparison's variants and rounds. A variant's first call and the comparison's probe call warm it up.
 A two-token generation runs first, untimed, so that no variant's first call carries the process's start-up.
 """
 
@@ -82,15 +83,17 @@ def first_call(label, build, reference, prompt, progress):
     return generate if row.get("greedy") else None  # a wrong answer is not worth timing: the notebook fails on it
 
 
-def timed_together(passed, device, args, progress):
-    """Time the variants that passed in alternating rounds, each call waited for to its end (as a request would
-    be), and report every variant's per-round times; a later comparison replaces an earlier one's."""
+def timed_together(passed, device, rounds, args, progress):
+    """Time the variants that passed in ``rounds`` alternating rounds, each call waited for to its end (as a request
+    would be), and report every variant's per-round times; a later comparison replaces an earlier one's. No warm-up
+    calls: every variant made its first call already, and the comparison's probe call precedes the rounds."""
     with progress.timed(f"compare {len(passed)}"):
         comparison = bench.compare({label: (lambda g=g: (g(), env.synchronize(device))) for label, g in passed.items()},
-                                   rounds=args.rounds, min_run_time=args.min_run_s, warmup=1,  # after the first call
-                                   device=device, progress=False)
+                                   rounds=rounds, min_run_time=args.min_run_s, warmup=0, device=device,
+                                   progress=False)
     for label, timing in comparison.timings.items():
         progress.data["variants"][label]["timing"] = dataclasses.asdict(timing)
+    progress.data["comparisons"].append({"variants": list(passed), "rounds": rounds})
     progress.save()
 
 
@@ -102,12 +105,14 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--ours", choices=OURS, default=None, help="also time one of the course's decoders")
     parser.add_argument("--ours-label", default=None, help="its label in the result (default: 'ours, KIND')")
-    parser.add_argument("--rounds", type=int, default=8, help="alternating rounds of the comparison")
+    parser.add_argument("--rounds", type=int, default=6, help="alternating rounds of the comparison of all variants")
+    parser.add_argument("--fallback-rounds", type=int, default=3,
+                        help="rounds of the comparison before the static cache's compile (kept if a deadline ends it)")
     parser.add_argument("--min-run-s", type=float, default=0.2, help="seconds of timing in all, at least")
     parser.add_argument("--result", type=Path, default=None, help="where the JSON goes")
     args = parser.parse_args()
     progress = Progress(args.result)
-    progress.data.update(torch=torch.__version__, transformers=transformers.__version__, variants={})
+    progress.data.update(torch=torch.__version__, transformers=transformers.__version__, variants={}, comparisons=[])
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     with progress.timed("load the checkpoint"):
         reference, prompt = gpt2.load_checkpoint(args.checkpoint)
@@ -128,14 +133,14 @@ def main() -> None:
     passed, timed = {}, set()
     for label, build in builders.items():
         if label == "HF generate, static cache" and len(passed) >= 2:
-            timed_together(passed, device, args, progress)  # before its compile: a deadline there leaves this
+            timed_together(passed, device, args.fallback_rounds, args, progress)  # a deadline in the compile leaves it
             timed = set(passed)
         with progress.timed(f"first call: {label}"):
             generate = first_call(label, build, reference, prompt, progress)
         if generate is not None:
             passed[label] = generate
     if len(passed) >= 2 and set(passed) != timed:
-        timed_together(passed, device, args, progress)
+        timed_together(passed, device, args.rounds, args, progress)
     progress.done()
 
 

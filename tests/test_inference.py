@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from utils import bench, gpt2, inference, isolate
+from utils.memory import format_bytes
 
 
 def test_child_deadline_grows_on_few_cores_within_its_bound():
@@ -73,8 +74,27 @@ def test_read_hf_child_builds_one_comparison_against_the_fastest_hf_variant():
     assert hf.comparison.verdict("ours").outcome == "faster"
     assert hf.comparison.rate("ours") == pytest.approx(256 / 0.0605, rel=0.02)
     assert "1 compiled, 0 from its cache" in hf.report() and "first call 2.0 s" in hf.report()
+    assert "child process" in hf.comparison.title and "its own rounds" in hf.comparison.title
     assert hf.verdict_line("ours").startswith("ours vs HF generate, static cache: ")
     assert "faster" in hf.verdict_line("ours") and "whole generation" in hf.verdict_line("ours")
+
+
+def test_read_hf_child_puts_each_first_call_against_a_call_of_the_rounds():
+    """A first call far above a call of the rounds is named a one-off cost, beside the Inductor graphs it compiled
+    (or "no Inductor graph", so the cost is not taken for a compile); one near a call is said to be about a call."""
+    result = {"stage": isolate.DONE, "variants": {
+        "ours": {"first_call_s": 0.08, "graphs_compiled": 0, "greedy": True,
+                 "timing": timing("ours", [0.06, 0.061, 0.062, 0.06])},
+        "HF generate, dynamic cache": {"first_call_s": 18.6, "graphs_compiled": 0, "greedy": True,
+                                       "timing": timing("d", [2.9, 2.85, 2.87, 2.88])},
+        "HF generate, static cache": {"first_call_s": 18.6, "graphs_compiled": 1, "graphs_loaded": 0, "greedy": True,
+                                      "timing": timing("s", [0.59, 0.6, 0.58, 0.59])}}}
+    lines = dict(line.split(": ", 1) for line in inference.read_hf_child(child(0, result), 256).lines)
+    dynamic, static = lines["HF generate, dynamic cache"], lines["HF generate, static cache"]
+    assert "15.7 s more than a call in the child's rounds (2.88 s): one-off costs" in dynamic
+    assert dynamic.endswith("no Inductor graph compiled in it")
+    assert "18 s more than a call" in static and static.endswith("1 compiled, 0 from its cache")
+    assert "about a call's time in the child's rounds (60.5 ms)" in lines["ours"]
 
 
 def test_read_hf_child_without_ours_in_its_comparison_gives_a_line_not_a_key_error():
@@ -131,6 +151,15 @@ def test_batch_sweep_finds_the_knee_and_says_what_grew():
     assert sweep.kv_bytes_at_knee == gpt2.bytes_per_decode_step(model, 8, 28) - gpt2.bytes_per_decode_step(model, 0, 28)
     text = "\n".join(sweep.reading())
     assert "batch 8" in text and "batch 1 reads at" in text and len(sweep.rows()) == 4
+    # the knee's arithmetic: the KV bytes batch 8 reads beyond batch 1's, at the copy bandwidth, against the growth
+    weights = gpt2.bytes_per_decode_step(model, 0, 28)
+    extra = 7 * (gpt2.bytes_per_decode_step(model, 1, 28) - weights)
+    grew_s = (sweep.rates[8].ms_per_token - sweep.rates[1].ms_per_token) / 1e3
+    assert f"read {format_bytes(extra)} more than batch 1's" in text
+    assert f"those bytes take {bench.format_seconds(extra / 100e9)}, {extra / 100e9 / grew_s:.0%} of the growth" in text
+    assert "work of each kernel grew" not in text and "longer caches" not in text  # no cause it did not measure
+    one = sweep.rates[1].pct_copy
+    assert f"would take {one:.0f}% of its step; something other than the bytes sets the rest" in text
     flat = bench.Comparison.from_rounds({f"batch {b}": [0.01, 0.0101] for b in (1, 2)},
                                         work=bench.Work({"batch 1": 23, "batch 2": 46}, "tokens"))
     assert "nearly free at 2" in "\n".join(inference.batch_sweep(flat, model, [1, 2], prompt=16, new_tokens=24,

@@ -83,12 +83,15 @@ def test_hf_generate_script_checks_both_caches_and_ours_and_times_them_in_altern
     """Ours with its prefill in a CUDA graph on a GPU (graph_prefill), as notebook 08 builds it."""
     run = isolate.run_script("hf_generate.py", ["--checkpoint", checkpoint[0], "--device", device, "--new-tokens", 8,
                                                 "--dtype", "float32", "--min-run-s", 0.05, "--rounds", 4,
-                                                "--ours", "graph", "--ours-label", "ours"], timeout_s=600)
+                                                "--fallback-rounds", 2, "--ours", "graph", "--ours-label", "ours"],
+                             timeout_s=600)
     assert run.ok, f"{run.failure}\n{run.tail(30)}"
     variants = run.result["variants"]
     assert list(variants) == ["ours", "HF generate, dynamic cache", "HF generate, static cache"]
     # timed together before the static cache's compile (a deadline there leaves that comparison), then with it
     assert [s for s in run.result["seconds"] if s.startswith("compare")] == ["compare 2", "compare 3"]
+    assert run.result["comparisons"] == [  # the fallback in its few rounds, then all three in the full rounds
+        {"variants": ["ours", "HF generate, dynamic cache"], "rounds": 2}, {"variants": list(variants), "rounds": 4}]
     rounds = {}
     for label, row in variants.items():
         assert "error" not in row, f"{label}: {row.get('error')}"

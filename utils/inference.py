@@ -9,10 +9,12 @@ against the bytes it must read, and the batch-size sweep.
   runs in a child process (``scripts/gpt2_export.py``), so a crash there cannot end the notebook;
   :func:`aotinductor_report` reads how it ended.
 - :func:`read_hf_child` — ``scripts/hf_generate.py``'s report as one :class:`utils.bench.Comparison` of whole
-  generations (ours and Hugging Face ``generate``, timed in the same alternating rounds in the child).
+  generations (ours and Hugging Face ``generate``, timed in the same alternating rounds in the child), with each
+  variant's first call against a call in those rounds (its one-off costs) and the Inductor graphs it compiled.
 - :func:`busy_against_bytes` — a profiled step's busy time against the bytes it must read at the copy bandwidth.
 - :class:`BatchSweep` — decode steps by batch size: rates, the first batch whose step is resolved to grow by more
-  than a quarter (its verdict against batch 1 "slower"), and what grew there.
+  than a quarter (its verdict against batch 1 "slower"), and there the extra KV bytes at the copy bandwidth against
+  how much the step grew.
 
 A note on the bandwidth: ``tokens/s ≤ bandwidth / bytes per step`` uses the *copy* bandwidth measured in the same
 run (a read and a write per byte). A stream that only reads can beat it by a little, so it is a yardstick to put
@@ -139,11 +141,12 @@ class HFChild:
 
 
 def read_hf_child(child, new_tokens: int, *, record: str | None = None) -> HFChild:
-    """Read a :class:`utils.isolate.ChildRun` of ``scripts/hf_generate.py``: a line per variant (its first call, the
-    Inductor graphs compiled in it and those loaded from the cache on disk; or why it is not available), then how the
-    child ended if it did not finish. The variants that carry per-round times (the same rounds: the child's last
-    comparison) become one :class:`utils.bench.Comparison` against the fastest Hugging Face variant; ``record`` names
-    the figure that records that variant's rate.
+    """Read a :class:`utils.isolate.ChildRun` of ``scripts/hf_generate.py``: a line per variant (its first call, what
+    it cost beyond a call of the child's rounds, the Inductor graphs compiled in it and those loaded from the cache on
+    disk — or that none was compiled, so a one-off cost there is not Inductor's; or why the variant is not
+    available), then how the child ended if it did not finish. The variants that carry per-round times (the same
+    rounds: the child's last comparison) become one :class:`utils.bench.Comparison` against the fastest Hugging Face
+    variant; ``record`` names the figure that records that variant's rate.
 
     Raises:
         AssertionError: when a variant the child checked made other tokens than the greedy ones.
@@ -158,10 +161,14 @@ def read_hf_child(child, new_tokens: int, *, record: str | None = None) -> HFChi
             continue
         assert row["greedy"], f"{label}: not the greedy tokens"
         n, loaded = row.get("graphs_compiled", 0), row.get("graphs_loaded", 0)
-        graphs = f", Inductor graphs in it: {n} compiled, {loaded} from its cache" if n or loaded else ""
-        out.lines.append(f"{label}: first call {row['first_call_s']:.1f} s{graphs}")
+        graphs = f"Inductor graphs in it: {n} compiled, {loaded} from its cache" if n or loaded else (
+            "no Inductor graph compiled in it")
+        first = row["first_call_s"]
+        line = f"{label}: first call {first:.1f} s"
         if "timing" in row:
             rounds[label] = list(row["timing"]["block_times_s"])
+            line += ", " + _one_off(first, statistics.median(rounds[label]))
+        out.lines.append(f"{line}; {graphs}")
     if not child.ok:
         out.lines.append(f"{child.failure}\nits last lines:\n{child.tail()}")
     if len({len(r) for r in rounds.values()}) > 1:  # not one comparison: keep the variants of the longest
@@ -172,12 +179,22 @@ def read_hf_child(child, new_tokens: int, *, record: str | None = None) -> HFChi
         out.best_hf = min(hf_labels, key=lambda label: statistics.median(rounds[label]))
         out.comparison = bench.Comparison.from_rounds(
             rounds, baseline=out.best_hf, work=bench.Work(new_tokens, "tokens"),
-            title=f"{new_tokens} tokens, whole generation, batch 1, timed together in the child")
+            title=f"{new_tokens} tokens, whole generation, batch 1, timed together in the child process (its own "
+                  "rounds: ours has a figure of its own here)")
         if record:
             out.comparison.record({record: (out.best_hf, "rate")})
     else:
         out.lines.append("Hugging Face generate was not timed against ours in this run: the lines above say why")
     return out
+
+
+def _one_off(first_s: float, call_s: float) -> str:
+    """A first call against a steady call of the same variant: what the first one cost beyond a call, or that it
+    cost about a call (within half a call's time)."""
+    if first_s > 1.5 * call_s:
+        return (f"{bench.format_seconds(first_s - call_s)} more than a call in the child's rounds "
+                f"({bench.format_seconds(call_s)}): one-off costs")
+    return f"about a call's time in the child's rounds ({bench.format_seconds(call_s)})"
 
 
 def busy_against_bytes(profile, step_bytes: int, copy_gbps: float, *, on_gpu: bool) -> str:
@@ -203,6 +220,8 @@ class BatchSweep:
     kv_bytes_at_knee: int | None
     weight_bytes: int
     verdicts: dict[int, bench.Verdict] = field(default_factory=dict)  # each batch's step against batch 1's
+    kv_bytes_per_sequence: int = 0  # one sequence's keys and values at the average context
+    copy_gbps: float | None = None  # the copy bandwidth measured in the same run
     GROWTH = 1.25
 
     def _resolved(self, batch: int) -> bool:
@@ -225,13 +244,16 @@ class BatchSweep:
         return [r.row() for r in self.rates.values()]
 
     def reading(self) -> list[str]:
-        """What bounds batch 1's step, and what grew at the knee: bytes near the bandwidth, else the kernels' work."""
-        one = self.rates[1].pct_copy or 0.0
-        bound = ("its step is bound by the bytes it reads" if one >= 70 else
-                 "its step is bound partly by the bytes, partly by fixed costs per kernel" if one >= 40 else
-                 "its step is bound by fixed costs per kernel (each kernel's or operator's start and drain, each too "
-                 "small to reach the bandwidth), not by the bytes")
-        lines = [f"batch 1 reads at {one:.0f}% of the copy bandwidth: {bound}"]
+        """Batch 1's bytes against its step, and at the knee the arithmetic of what grew: the KV bytes the knee's
+        sequences read beyond batch 1's, timed at the copy bandwidth, against how much the step grew. Measured
+        numbers only: how much of the step (or of its growth) the bytes take at that bandwidth, no canned cause."""
+        one = self.rates[1]
+        if one.pct_copy is None:
+            lines = ["batch 1: no copy bandwidth was measured to put its bytes against"]
+        else:
+            rest = "; something other than the bytes sets the rest" if one.pct_copy < 100 else ""
+            lines = [f"batch 1 reads at {one.pct_copy:.0f}% of the copy bandwidth: its bytes, read at that bandwidth, "
+                     f"would take {min(one.pct_copy, 100):.0f}% of its step{rest}"]
         for b in self.unresolved:  # the verdict's band is of speed-ups (batch 1 / batch b): as growths, inverted
             lo, hi = self.verdicts[b].band
             lines.append(f"batch {b}'s step read {self.growth[b]:.2f}× batch 1's, band {1 / hi:.2f}–{1 / lo:.2f}× over "
@@ -244,12 +266,20 @@ class BatchSweep:
                 lines.append(f"the step stayed within a quarter of batch 1's up to batch {last}: extra sequences "
                              f"were still nearly free at {last}")
             return lines
-        pct, kv, w = self.rates[knee].pct_copy or 0.0, self.kv_bytes_at_knee or 0, self.weight_bytes
-        there = (f"the step first grows by more than a quarter at batch {knee}, reading at {pct:.0f}% of the copy "
-                 f"bandwidth; its KV caches ({format_bytes(kv)}) are {kv / w:.2g}× the weights ({format_bytes(w)})")
-        lines.append(there + (": near the bandwidth, the bytes set it" if pct >= 40 else
-                              ": far below the bandwidth, so the work of each kernel grew (attention over more and "
-                              "longer caches, larger matrix products), not the bytes"))
+        at = self.rates[knee]
+        grew_s = (at.ms_per_token - one.ms_per_token) / 1e3
+        kv, w = self.kv_bytes_at_knee or 0, self.weight_bytes
+        extra = (knee - 1) * self.kv_bytes_per_sequence  # the KV bytes batch 1 does not read
+        there = (f"the step first grows by more than a quarter at batch {knee}: {one.ms_per_token:.3g} → "
+                 f"{at.ms_per_token:.3g} ms, {bench.format_seconds(grew_s)} more; its KV caches "
+                 f"({format_bytes(kv)}, {kv / w:.2g}× the weights' {format_bytes(w)}) read {format_bytes(extra)} more "
+                 "than batch 1's")
+        if self.copy_gbps and grew_s > 0:
+            extra_s = extra / (self.copy_gbps * 1e9)
+            share = extra_s / grew_s
+            there += (f": at the copy bandwidth those bytes take {bench.format_seconds(extra_s)}, {share:.0%} of the "
+                      "growth" + (", so they alone can account for it" if share >= 1 else ""))
+        lines.append(there)
         return lines
 
     def plot(self, title: str):
@@ -281,7 +311,8 @@ def batch_sweep(by_batch: bench.Comparison, model: gpt2.GPT2, batches: Sequence[
     verdicts = {b: by_batch.verdict(f"batch {b}", against="batch 1") for b in batches if b != 1}
     context = prompt + new_tokens // 2
     weights = gpt2.bytes_per_decode_step(model, 0, context)
-    sweep = BatchSweep(rates, growth, None, weights, verdicts)
+    per_sequence = gpt2.bytes_per_decode_step(model, 1, context) - weights
+    sweep = BatchSweep(rates, growth, None, weights, verdicts, per_sequence, copy_gbps)
     if sweep.knee is not None:
         sweep.kv_bytes_at_knee = gpt2.bytes_per_decode_step(model, sweep.knee, context) - weights
     return sweep
