@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from utils import benchmarks as bm
-from utils.bench import Comparison, Work
+from utils.bench import Comparison, Verdict, Work
 from utils.profile import Kernel, StepProfile
 
 
@@ -133,12 +133,17 @@ def test_hedged_marks_a_resolved_difference_at_the_resolutions_edge():
     edge = _comparison({"a": [1.0] * 6 + [1.0] * 6, "b": [1 / 1.032] * 6 + [1 / 1.004, 1 / 1.26] * 3})
     v = edge.verdict("b")
     assert v.outcome == "faster" and v.band[0] < 1.03
-    assert bm.hedged(v).startswith(v.short + " (band from 1") and "about the 3% resolution" in bm.hedged(v)
-    assert bm.hedged(v, long=True).startswith(v.text) and bm.hedged(v, long=True).endswith("3% resolution")
+    assert bm.hedged(v).startswith(v.short + " (band from 1.0") and "within the 3% resolution" in bm.hedged(v)
+    assert bm.hedged(v, long=True).startswith(v.text) and bm.hedged(v, long=True).endswith(
+        "within the 3% resolution: the effect may be that small")
+    # a larger median whose band's end lies within the resolution: the note is about the band, not the effect
+    wide = Verdict("b", "a", 1.17, (1.028, 1.28), 0.03, 12)
+    assert bm.hedged(wide) == "1.17× faster (band from 1.028×, within the 3% resolution)"
+    assert "about the" not in bm.hedged(wide, long=True)
     clear = _comparison({"a": [0.2] * 8, "b": [0.1] * 8}).verdict("b")
     assert bm.hedged(clear) == clear.short and bm.hedged(clear, long=True) == clear.text
     slow_edge = _comparison({"a": [1.0] * 12, "b": [1.032] * 6 + [1.004, 1.26] * 3}).verdict("b")
-    assert slow_edge.outcome == "slower" and "about the 3% resolution" in bm.hedged(slow_edge)
+    assert slow_edge.outcome == "slower" and "within the 3% resolution" in bm.hedged(slow_edge)
 
 
 def test_table_row_uses_the_comparisons_numbers():

@@ -81,6 +81,73 @@ def test_fused_greedy_decoder_gives_the_eager_decoders_tokens_in_the_interpreter
     """)
 
 
+INT8_MODEL = """
+    import torch
+    from torch import nn
+    from utils import gpt2, gpt2_fused
+
+
+    class Int8Linear(nn.Module):  # int8 weight-only, one scale per output, as notebook 08c writes it
+        def __init__(self, linear):
+            super().__init__()
+            w = linear.weight.detach().float()
+            scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127
+            self.register_buffer("weight", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))
+            self.register_buffer("scale", scale.to(linear.weight.dtype))
+            self.register_buffer("bias", linear.bias.detach().clone())
+
+        def forward(self, x):
+            return nn.functional.linear(x, self.weight.to(x.dtype)) * self.scale + self.bias
+
+
+    def quantized(model):
+        for block in model.h:
+            for parent, name in ((block.attn, "c_attn"), (block.attn, "c_proj"), (block.mlp, "c_fc"),
+                                 (block.mlp, "c_proj")):
+                if isinstance(parent, nn.ModuleDict):
+                    parent[name] = Int8Linear(parent[name])
+                else:
+                    setattr(parent, name, Int8Linear(getattr(parent, name)))
+        return model
+"""
+
+
+def test_fused_step_reads_int8_weights_with_their_scales_in_the_interpreter():
+    """A model whose block layers hold int8 weights and a scale per output: the step's logits and greedy tokens
+    match the model's own (which dequantizes), in fp32 and fp16; an int8 layer without its scales is refused."""
+    run_interpreted(textwrap.dedent(INT8_MODEL) + textwrap.dedent("""
+        torch.manual_seed(2)
+        config = gpt2.GPT2Config.tiny()
+        tokens = torch.randint(0, config.vocab_size, (2, 40))
+        for dtype, rel in ((torch.float32, 1e-5), (torch.float16, 3e-3)):
+            model = quantized(gpt2.GPT2(config).eval().to(dtype))
+            assert model.h[0].mlp["c_fc"].weight.dtype == torch.int8
+            step = gpt2_fused.FusedDecodeStep(model)
+            ours, theirs = (gpt2.StaticKVCache(config, 2, 64, dtype=dtype) for _ in range(2))
+            with torch.inference_mode():
+                model(tokens[:, :20], torch.arange(20), ours)
+                model(tokens[:, :20], torch.arange(20), theirs)
+                pos = torch.tensor([20])
+                expected = model(tokens[:, 20:21], pos, theirs).float()
+                got = step(tokens[:, 20:21], pos, ours)
+            err = ((got - expected).norm() / expected.norm()).item()
+            assert err < rel, (dtype, err)
+        model = quantized(gpt2.GPT2(config).eval())
+        prompt = tokens[:, :5]
+        eager = gpt2.StaticDecoder(model, batch=2, max_len=24).generate(prompt, 12)
+        fused = gpt2.StaticDecoder(model, batch=2, max_len=24, fused_step=True).generate(prompt, 12)
+        assert torch.equal(eager, fused), (eager, fused)
+        del model.h[1].attn.c_proj.scale
+        try:
+            gpt2_fused.FusedDecodeStep(model)
+        except ValueError as e:
+            assert "h.1.attn.c_proj has int8 weights" in str(e), e
+        else:
+            raise AssertionError("an int8 layer without its scales was accepted")
+        print("ok")
+    """))
+
+
 def test_bad_inputs_are_clear_errors_in_the_interpreter():
     run_interpreted("""
         import torch
@@ -178,6 +245,29 @@ def test_fused_step_on_the_gpu_matches_the_model(pdl):
                 got = step(tokens[:batch, prompt:prompt + 1], pos, ours)
             err = ((got - expected).norm() / expected.norm()).item()
             assert err < rel, (dtype, batch, prompt, err)
+
+
+@needs_cuda
+def test_fused_step_on_the_gpu_reads_int8_weights():
+    """GPT-2 small in bf16 with int8 block layers (08c's sweep): the compiled kernels' logits match the model's."""
+    from utils import gpt2_fused
+
+    scope: dict = {}
+    exec(textwrap.dedent(INT8_MODEL), scope)  # noqa: S102 (the test's own source: Int8Linear and quantized())
+    torch.manual_seed(0)
+    config = gpt2.GPT2Config()
+    model = scope["quantized"](gpt2.GPT2(config).eval().cuda().to(torch.bfloat16))
+    tokens = torch.randint(0, config.vocab_size, (1, 129), device="cuda")
+    step = gpt2_fused.FusedDecodeStep(model)
+    ours, theirs = (gpt2.StaticKVCache(config, 1, 256, dtype=torch.bfloat16).cuda() for _ in range(2))
+    with torch.inference_mode():
+        positions = torch.arange(128, device="cuda")
+        model(tokens[:, :128], positions, ours)
+        model(tokens[:, :128], positions, theirs)
+        pos = torch.tensor([128], device="cuda")
+        expected = model(tokens[:, 128:], pos, theirs).float()
+        got = step(tokens[:, 128:], pos, ours)
+    assert ((got - expected).norm() / expected.norm()).item() < 3e-2
 
 
 @needs_cuda

@@ -729,6 +729,13 @@ def test_a_host_paced_change_is_read_from_the_hosts_wait_with_its_cost_per_call(
                         "launches)")
     assert "CUDA graphs" not in fed
     assert playbook.host_per_call(None) == "" and playbook.host_per_call({}) == ""
+    # one copy per call (.to(device) against .cuda()): one launch, whose time per launch would repeat the call's
+    to_device = gpu_profile(400, [("Memcpy HtoD (Pageable -> Device)", 1, 300.0)])
+    cuda = gpu_profile(412, [("Memcpy HtoD (Pageable -> Device)", 1, 301.0)])
+    to_device.unit = cuda.unit = "copy"
+    one = playbook.profile_change(to_device, cuda, launch_us={"ATen op": 10.0})
+    assert one.endswith("the GPU's wait for the host went 100 µs → 111 µs per copy (1 launch per copy; host per "
+                        "call: ATen op 10 µs on this CPU)"), one
 
 
 def test_a_shrink_that_is_all_copies_is_said_from_the_counts():

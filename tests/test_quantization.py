@@ -125,7 +125,9 @@ def test_sweep_reasons_set_the_time_saved_against_what_the_bytes_explain():
                              {"bf16": 2_000_000, "int8": 1_000_000}, {}, {}, {})  # 1 MB fewer: 1 µs at 1,000 GB/s
         return uq.DecodeSweep([size], 1000.0, "bf16", variants=["bf16", "int8"])._reasons(size, "int8")
 
-    assert "most of the gain comes from elsewhere" in reasons(10e-6, 5e-6)["faster"]  # saved 5 µs: 5× the bytes
+    assert "5.0× what the bytes explain: 80% of the gain comes from elsewhere" in reasons(10e-6, 5e-6)["faster"]
+    # saved 1.6 µs, 1.6× the bytes' 1 µs: the bytes still explain most of it, and the reason says how much
+    assert "1.6× what the bytes explain: 38% of the gain comes from elsewhere" in reasons(10e-6, 8.4e-6)["faster"]
     assert "about what the bytes explain" in reasons(10e-6, 9e-6)["faster"]
     assert "well below the copy bandwidth" in reasons(10e-6, 9.5e-6)["faster"]  # saved 0.5 µs
     assert "10% of bf16's 10 µs per token" in reasons(10e-6, 10e-6)["same"]
@@ -274,6 +276,39 @@ def test_the_notebooks_int8_kernel_in_tritons_interpreter():
                           cwd=root, capture_output=True, text=True, timeout=300,
                           env={**__import__("os").environ, "PYTHONPATH": str(root)})
     assert done.returncode == 0 and "kernel ok" in done.stdout, done.stderr[-2000:]
+
+
+SWEEP_FUSED_CHECK = r'''
+import os
+os.environ["TRITON_INTERPRET"] = "1"  # before the first import of triton in this process
+import torch
+import utils.quantization as uq
+from utils import gpt2, gpt2_fused
+from tests.test_quantization import quantize_linears
+calls = []
+original = gpt2_fused.FusedDecodeStep.greedy
+gpt2_fused.FusedDecodeStep.greedy = lambda self, *a: (calls.append(self), original(self, *a))[1]
+sweep = uq.decode_sweep({"tiny": gpt2.GPT2Config.tiny()}, {"fp32": lambda m: m, "int8": quantize_linears},
+                        device="cpu", dtype=torch.float32, fused_step=True, new_tokens=4, rounds=2,
+                        min_run_time=0.01, progress=False)
+int8_steps = [s for s in calls if s.model.h[0].mlp["c_fc"].weight.dtype == torch.int8]
+assert int8_steps and len(int8_steps) < len(calls), len(calls)  # both variants decoded by the Triton step
+assert sweep.sizes[0].tokens_per_s("int8") > 0
+print("sweep ok")
+'''
+
+
+def test_decode_sweep_decodes_with_the_triton_step_in_the_interpreter():
+    """fused_step=True: both variants decode in utils.gpt2_fused's step, the int8 one reading its int8 weights."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", SWEEP_FUSED_CHECK], cwd=root, capture_output=True, text=True,
+                          timeout=300, env={**__import__("os").environ, "PYTHONPATH": str(root)})
+    assert done.returncode == 0 and "sweep ok" in done.stdout, done.stderr[-2000:]
 
 
 def test_copies_past_l2_stream_the_weights_from_memory():

@@ -170,15 +170,17 @@ def guide_range(speedup: float) -> str:
 
 def hedged(v: Verdict, *, long: bool = False) -> str:
     """A verdict's short form (:attr:`Verdict.short`; ``long``: :attr:`Verdict.text`, with its band), and for a
-    resolved difference whose band reaches into the resolution (e.g. "1.03× faster" with a band from 1.004×) a
-    note that the effect is about the size of the resolution: the rounds tell it apart from 1, but hardly from a 3%
-    effect."""
+    resolved difference whose band reaches into the resolution (e.g. "1.03× faster" with a band from 1.004×, or
+    "1.17× faster" with one from 1.028×) a note that the band's near end lies within it: the rounds tell the
+    effect apart from 1, but not from one as small as the resolution. (The median may be well outside it: the note
+    is about the band's end, not the effect's size.)"""
     lo, hi = v.band
     near = lo < 1 + v.resolution if v.outcome == "faster" else hi > 1 / (1 + v.resolution)
     if v.outcome in ("faster", "slower") and near:
         edge = lo if v.outcome == "faster" else 1 / hi
-        return (f"{v.text}: about the {v.resolution:.0%} resolution" if long else
-                f"{v.short} (band from {edge:.3g}×: about the {v.resolution:.0%} resolution)")
+        return (f"{v.text}; its band reaches {edge:.3f}×, within the {v.resolution:.0%} resolution: the effect may "
+                "be that small" if long else
+                f"{v.short} (band from {edge:.3f}×, within the {v.resolution:.0%} resolution)")
     return v.text if long else v.short
 
 

@@ -61,14 +61,17 @@ TRITON_INTERPRETED = triton is not None and os.environ.get("TRITON_INTERPRET") =
 if triton is not None:
 
     @triton.jit
-    def gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, ln_w_ptr, ln_b_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
-                      best_val_ptr, best_idx_ptr, N, eps, K: tl.constexpr, HAS_BIAS: tl.constexpr, LN: tl.constexpr,
+    def gemv_kernel(x_ptr, w_ptr, b_ptr, scale_ptr, out_ptr, ln_w_ptr, ln_b_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
+                      best_val_ptr, best_idx_ptr, N, eps, K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      HAS_SCALE: tl.constexpr, LN: tl.constexpr,
                       COMBINE_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, GELU: tl.constexpr,
                       RESIDUAL: tl.constexpr, ARGMAX: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr):
         # One program: BLOCK_N outputs of row `row`, out[row, n] = sum_k f(x[row])[k] * w[n, k] (+ b[n]), where f
         # is LayerNorm when LN; then GELU (tanh) when GELU; added to out[row, n] (the residual stream) when RESIDUAL.
         # x, out: [rows, K] / [rows, N], contiguous; w: [N, K] as nn.Linear stores it (K contiguous: coalesced).
+        # HAS_SCALE: w is int8 with one scale per output (w ≈ q * scale[:, None]): the tile is loaded as int8 (1 byte
+        # a weight), widened in registers, and the scale applied to each output's sum.
         # COMBINE_SPLITS > 0: x is not read; its row is attention's output, combined here from the partial results
         # of decode_attention_kernel's splits. ARGMAX: the program's largest output and its index are written to
         # best_val_ptr / best_idx_ptr. The program's whole tile, BLOCK_N x K (BLOCK_K >= K), is one load.
@@ -84,6 +87,8 @@ if triton is not None:
         w = tl.load(w_ptr + cols[:, None] * K + ks[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         if HAS_BIAS:
             bias = tl.load(b_ptr + cols, mask=n_ok, other=0.0).to(tl.float32)
+        if HAS_SCALE:
+            scale = tl.load(scale_ptr + cols, mask=n_ok, other=0.0).to(tl.float32)
         if LN:
             gamma = tl.load(ln_w_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
             beta = tl.load(ln_b_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
@@ -107,6 +112,8 @@ if triton is not None:
             rstd = 1.0 / tl.sqrt(tl.sum(centred * centred, axis=0) / K + eps)
             xk = tl.where(k_ok, centred * rstd * gamma + beta, 0.0)
         y = tl.sum(w.to(tl.float32) * xk[None, :], axis=1)
+        if HAS_SCALE:
+            y = y * scale
         if HAS_BIAS:
             y += bias
         if GELU:  # 0.5 y (1 + tanh(u)) == y * sigmoid(2u), u = sqrt(2/pi) (y + 0.044715 y^3)
@@ -226,6 +233,24 @@ def _blocks(n: int, k: int, programs_wanted: int) -> tuple[int, int, int]:
     return block_n, block_k, 8 if block_n * block_k >= 8192 else 4
 
 
+def _scale(linear) -> torch.Tensor | None:
+    """The per-output scales of a linear layer with int8 weights; None for one in the model's dtype."""
+    return linear.scale if linear.weight.dtype == torch.int8 else None
+
+
+def _check_linear(name: str, linear, dtype: torch.dtype) -> None:
+    """A block's linear layer the step can run: weights in the model's dtype, or int8 with one scale per output."""
+    weight = linear.weight
+    if weight.dtype == torch.int8:
+        scale = getattr(linear, "scale", None)
+        if not isinstance(scale, torch.Tensor) or scale.shape != (weight.shape[0],):
+            raise ValueError(f"FusedDecodeStep: {name} has int8 weights {list(weight.shape)} but no `scale` of one "
+                             f"value per output ([{weight.shape[0]}]); got {getattr(scale, 'shape', scale)}")
+    elif weight.dtype != dtype:
+        raise ValueError(f"FusedDecodeStep: {name}'s weights are {weight.dtype}, the model's {dtype} "
+                         "(or int8 with a `scale` per output)")
+
+
 def attention_blocks(max_len: int) -> dict[str, int]:
     """SPLITS, BLOCK_T, ITERS and num_warps of :data:`decode_attention_kernel` for a cache of ``max_len`` positions: a
     split per 64 positions (a power of two, at most 8), blocks of up to 128 positions, and as many blocks (ITERS) as
@@ -250,7 +275,10 @@ class FusedDecodeStep:
     program inside the head's kernel and finished by one small kernel). The position stays on the device: the
     kernels read it there, so either can be captured in a CUDA graph and replayed at every position.
 
-    The model's weights are used in place (no copy): change them and the step changes too.
+    The model's weights are used in place (no copy): change them and the step changes too. A block's linear layer
+    may hold int8 weights instead, with one scale per output (a ``weight`` int8 [N, K] and a ``scale`` [N], as
+    int8 weight-only quantization stores them, ``weight ≈ q * scale[:, None]``): its kernel then reads 1 byte a
+    weight and applies the scale to each output. Embeddings, norms and the tied head stay in the model's dtype.
 
     Raises:
         RuntimeError: Triton is not installed.
@@ -272,8 +300,12 @@ class FusedDecodeStep:
         config = model.config
         if config.head_dim & (config.head_dim - 1):
             raise ValueError(f"FusedDecodeStep: the head size must be a power of two, got {config.head_dim}")
-        if not all(p.is_contiguous() for p in model.parameters()):
+        if not all(t.is_contiguous() for t in (*model.parameters(), *model.buffers())):
             raise ValueError("FusedDecodeStep: the model's weights must be contiguous (model.to() keeps them so)")
+        for i, block in enumerate(model.h):
+            for name, linear in (("attn.c_attn", block.attn.c_attn), ("attn.c_proj", block.attn.c_proj),
+                                 ("mlp.c_fc", block.mlp["c_fc"]), ("mlp.c_proj", block.mlp["c_proj"])):
+                _check_linear(f"h.{i}.{name}", linear, param.dtype)
         if 2 * triton.next_power_of_2(4 * config.n_embd) > MAX_TILE:
             raise ValueError(f"FusedDecodeStep: a width of {config.n_embd} is too wide for one tile per program "
                              f"(the MLP's 4 x {config.n_embd} inputs, two rows, must fit {MAX_TILE} weights)")
@@ -309,15 +341,16 @@ class FusedDecodeStep:
                 "best_val": empty(batch, head_programs), "best_idx": empty(batch, head_programs, dtype=torch.int32)}
         return self._buffers[batch, splits]
 
-    def _linear(self, x, weight, bias, out, buf, *, ln=None, gelu=False, residual=False, combine=0,
+    def _linear(self, x, weight, bias, out, buf, *, scale=None, ln=None, gelu=False, residual=False, combine=0,
                 argmax=False) -> None:
         rows, n, k = out.shape[0], weight.shape[0], weight.shape[1]
         block_n, block_k, warps = _blocks(n, k, self.programs_wanted)
         ln_w, ln_b = (ln.weight, ln.bias) if ln is not None else (weight, weight)  # unused without LN
         gemv_kernel[(triton.cdiv(n, block_n), rows)](
-            x, weight, bias if bias is not None else weight, out, ln_w, ln_b, buf["part_m"], buf["part_l"],
-            buf["part_acc"], buf["best_val"], buf["best_idx"], n, ln.eps if ln is not None else 0.0, K=k,
-            HAS_BIAS=bias is not None, LN=ln is not None, COMBINE_SPLITS=combine, HEAD_DIM=self.config.head_dim,
+            x, weight, bias if bias is not None else weight, scale if scale is not None else weight, out, ln_w,
+            ln_b, buf["part_m"], buf["part_l"], buf["part_acc"], buf["best_val"], buf["best_idx"], n,
+            ln.eps if ln is not None else 0.0, K=k, HAS_BIAS=bias is not None, HAS_SCALE=scale is not None,
+            LN=ln is not None, COMBINE_SPLITS=combine, HEAD_DIM=self.config.head_dim,
             GELU=gelu, RESIDUAL=residual, ARGMAX=argmax, PDL=self.pdl, BLOCK_N=block_n, BLOCK_K=block_k,
             num_warps=warps, **self._launch)
 
@@ -350,13 +383,17 @@ class FusedDecodeStep:
         k_cache, v_cache = cache.k, cache.v
         for i, block in enumerate(model.h):
             attn, mlp = block.attn, block.mlp
-            self._linear(x, attn.c_attn.weight, attn.c_attn.bias, buf["qkv"], buf, ln=block.ln_1)
+            self._linear(x, attn.c_attn.weight, attn.c_attn.bias, buf["qkv"], buf, scale=_scale(attn.c_attn),
+                         ln=block.ln_1)
             decode_attention_kernel[(batch, config.n_head, blocks["SPLITS"])](
                 buf["qkv"], k_cache[i], v_cache[i], buf["part_m"], buf["part_l"], buf["part_acc"], input_pos, c,
                 k_cache.stride(1), k_cache.stride(2), scale, D=config.head_dim, PDL=self.pdl, **blocks, **self._launch)
-            self._linear(x, attn.c_proj.weight, attn.c_proj.bias, x, buf, residual=True, combine=blocks["SPLITS"])
-            self._linear(x, mlp["c_fc"].weight, mlp["c_fc"].bias, buf["h"], buf, ln=block.ln_2, gelu=True)
-            self._linear(buf["h"], mlp["c_proj"].weight, mlp["c_proj"].bias, x, buf, residual=True)
+            self._linear(x, attn.c_proj.weight, attn.c_proj.bias, x, buf, scale=_scale(attn.c_proj), residual=True,
+                         combine=blocks["SPLITS"])
+            self._linear(x, mlp["c_fc"].weight, mlp["c_fc"].bias, buf["h"], buf, scale=_scale(mlp["c_fc"]),
+                         ln=block.ln_2, gelu=True)
+            self._linear(buf["h"], mlp["c_proj"].weight, mlp["c_proj"].bias, x, buf, scale=_scale(mlp["c_proj"]),
+                         residual=True)
         self._linear(x, model.wte.weight, None, buf["logits"], buf, ln=model.ln_f, argmax=argmax)  # the tied head
         return buf
 

@@ -347,10 +347,10 @@ def profile_change(before: StepProfile, after: StepProfile, *, kind: str | None 
         "operator", "Python and dispatch between operators take")
     host = host_per_call(launch_us)
     if host and after.kernels:  # beside the host's cost per call: the step's launches and its time per launch
-        calls = "launch" + "es" * (round(after.kernels_per_step) != 1) if gpu else "operator" + "s" * (
-            round(after.kernels_per_step) != 1)
-        host = (f"{after.kernels_per_step:,.0f} {calls} per {unit}, "
-                f"{format_seconds(after.wall_s / after.kernels_per_step)} of the {unit} each; {host}")
+        one = round(after.kernels_per_step) == 1  # one launch (a copy): its time per launch is the step's
+        calls = ("launch" if one else "launches") if gpu else ("operator" if one else "operators")
+        each = "" if one else f", {format_seconds(after.wall_s / after.kernels_per_step)} of the {unit} each"
+        host = f"{after.kernels_per_step:,.0f} {calls} per {unit}{each}; {host}"
     parts = []
     if kind is not None:
         k0, k1 = time_by_class(before)[kind], time_by_class(after)[kind]

@@ -352,7 +352,7 @@ def compare_profiles(before: StepProfile, after: StepProfile, names: tuple[str, 
     if fusion:
         share = tb["matmul"] / before.wall_s if before.wall_s > 0 else 0.0
         parts.append(f"matmul {what} take {share:.0%} of {b_name}'s {unit}: that work stays after compiling "
-                     "(attention may be lowered to other kernels), so fusion can save mostly in the rest")
+                     f"(attention may be lowered to other {what}), so fusion can save mostly in the rest")
     return "; ".join(parts)
 
 

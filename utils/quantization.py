@@ -270,6 +270,7 @@ class DecodeSweep:
     baseline: str
     memory_what: str = ""
     variants: list[str] = field(default_factory=list)
+    decoder: str = ""  # how each variant decodes, for the table's title
 
     def rows(self) -> list[dict[str, object]]:
         """Per size: tokens/s, bytes per token and % of the copy-bandwidth yardstick of every variant, and each
@@ -294,7 +295,8 @@ class DecodeSweep:
 
         c = self.sizes[0].comparison
         print(format_table(self.rows(), title=(
-            f"Batch-1 greedy decoding, {self.sizes[0].steps} steps per call, each size's variants timed in "
+            f"Batch-1 greedy decoding{f' ({self.decoder})' if self.decoder else ''}, {self.sizes[0].steps} steps per "
+            f"call, each size's variants timed in "
             f"{c.rounds} alternating rounds; % of copy: bytes read per second over the copy bandwidth "
             f"({self.copy_gbps:,.0f} GB/s)" if self.copy_gbps else "")))
 
@@ -315,8 +317,9 @@ class DecodeSweep:
     def verdicts(self) -> list[str]:
         """Per size and variant: the verdict against the baseline, with what its fewer bytes explain of it. The
         time per token the variant saved is set against the time its fewer bytes take at the copy bandwidth: about
-        equal, the bytes explain the gain; far more, most of the gain comes from elsewhere (the layers' kernels);
-        far less, its kernels read below that bandwidth. Without a copy bandwidth only the bytes' ratio is given."""
+        equal, the bytes explain the gain; 1.5× or more, the share they leave comes from elsewhere (the layers'
+        kernels); far less, its kernels read below that bandwidth. Without a copy bandwidth only the bytes' ratio
+        is given."""
         lines = []
         for s in self.sizes:
             for v in self.variants[1:]:
@@ -335,8 +338,8 @@ class DecodeSweep:
         saved = t_base - t_v
         ratio = saved / bytes_s if bytes_s > 0 else float("inf")
         if ratio >= 1.5:
-            how = (f"{ratio:.1f}× what the bytes explain, so most of the gain comes from elsewhere (the layers' "
-                   "kernels differ too; not measured apart here)")
+            how = (f"{ratio:.1f}× what the bytes explain: {1 - 1 / ratio:.0%} of the gain comes from elsewhere (the "
+                   "layers' kernels differ too; not measured apart here)")
         elif ratio > 1 / 1.5:
             how = "about what the bytes explain"
         else:
@@ -412,6 +415,7 @@ def decode_sweep(
     min_run_time: float = 1.0,
     seed: int = 0,
     dtype: torch.dtype = torch.bfloat16,
+    fused_step: bool = False,
     progress: bool = True,
 ) -> DecodeSweep:
     """Batch-1 greedy decoding of GPT-2 at every size of ``configs``, every variant timed together per size.
@@ -421,10 +425,11 @@ def decode_sweep(
     baseline, e.g. ``{"bf16": lambda m: m, "int8": quantize}``), which returns the model to decode with. Each
     variant's logits on a random prompt are checked against fp32's (:func:`check_logits`: a broken quantization
     raises before any timing). Then each decodes in a :class:`utils.gpt2.StaticDecoder` (one CUDA graph per step on
-    a GPU): the first generation captures, and its peak memory on top of what was there is taken
-    (:func:`utils.memory.track_peak`); the timed call rewinds to the prompt and decodes ``new_tokens``
-    (``new_tokens - 1`` steps). Bytes per step: the variant's weights (:func:`weight_bytes`) plus the KV cache at
-    the average context.
+    a GPU; ``fused_step``: of notebook 08's Triton step, :class:`utils.gpt2_fused.FusedDecodeStep`, which reads int8
+    weights with their scales where a variant holds them): the first generation captures, and its peak memory on top
+    of what was there is taken (:func:`utils.memory.track_peak`); the timed call rewinds to the prompt and decodes
+    ``new_tokens`` (``new_tokens - 1`` steps). Bytes per step: the variant's weights (:func:`weight_bytes`) plus the
+    KV cache at the average context.
 
     Raises:
         QuantizationBrokeModel: from :func:`check_logits`.
@@ -463,7 +468,7 @@ def decode_sweep(
         decoders, peaks, fns = {}, {}, {}
         for v, m in models.items():
             with track_peak(device) as peak:
-                decoder = gpt2.StaticDecoder(m, batch=1, max_len=prompt_len + new_tokens)
+                decoder = gpt2.StaticDecoder(m, batch=1, max_len=prompt_len + new_tokens, fused_step=fused_step)
                 decoder.generate(prompt, new_tokens)  # captures the step's graph on a GPU
             decoders[v], peaks[v] = decoder, weight_bytes(m) + peak.peak_increase_bytes
             fns[v] = (lambda d=decoder: (d.rewind(), d.decode(new_tokens)))
@@ -479,7 +484,9 @@ def decode_sweep(
     what = ("peak: weights + the most a decode (cache, graph, activations) allocated on top, from the caching "
             "allocator" if device.type == "cuda" else
             "peak: weights + the process's resident-memory peak during a decode (to the page, everything it holds)")
-    return DecodeSweep(results, copy_gbps, names[0], what, names)
+    decoder = ("notebook 08's Triton step" if fused_step else "eager kernels") + (
+        ", one CUDA graph per step" if device.type == "cuda" else "")
+    return DecodeSweep(results, copy_gbps, names[0], what, names, decoder)
 
 
 # ── torchao and fp8 ─────────────────────────────────────────────────────────────────────────────────────────
