@@ -142,35 +142,32 @@ class HFChild:
 
 def read_hf_child(child, new_tokens: int, *, record: str | None = None) -> HFChild:
     """Read a :class:`utils.isolate.ChildRun` of ``scripts/hf_generate.py``: a line per variant (its first call, what
-    it cost beyond a call of the child's rounds, the Inductor graphs compiled in it and those loaded from the cache on
-    disk — or that none was compiled, so a one-off cost there is not Inductor's; or why the variant is not
-    available), then how the child ended if it did not finish. The variants that carry per-round times (the same
+    it cost beyond a call of the child's rounds — the comparison's per-call figure, the one its table prints — the
+    Inductor graphs compiled in it and those loaded from the cache on disk, or that none was compiled, so a one-off
+    cost there is not Inductor's; or why the variant is not available), then how the child ended if it did not
+    finish. The variants that carry per-round times (the same
     rounds: the child's last comparison) become one :class:`utils.bench.Comparison` against the fastest Hugging Face
     variant; ``record`` names the figure that records that variant's rate.
 
     Raises:
         AssertionError: when a variant the child checked made other tokens than the greedy ones.
     """
-    out, rounds = HFChild(), {}
+    out, rounds, own_rounds = HFChild(), {}, {}
+    lines: list[str | tuple[str, float, str]] = []  # a finished line, or (label, first call, graphs) to finish
     for label, row in (child.result or {}).get("variants", {}).items():
         if "error" in row:  # a transformers without the option, a failed compile
-            out.lines.append(f"{label}: not available here ({row['error']})")
+            lines.append(f"{label}: not available here ({row['error']})")
             continue
         if "greedy" not in row:
-            out.lines.append(f"{label}: its first call did not finish")
+            lines.append(f"{label}: its first call did not finish")
             continue
         assert row["greedy"], f"{label}: not the greedy tokens"
         n, loaded = row.get("graphs_compiled", 0), row.get("graphs_loaded", 0)
         graphs = f"Inductor graphs in it: {n} compiled, {loaded} from its cache" if n or loaded else (
             "no Inductor graph compiled in it")
-        first = row["first_call_s"]
-        line = f"{label}: first call {first:.1f} s"
+        lines.append((label, row["first_call_s"], graphs))
         if "timing" in row:
-            rounds[label] = list(row["timing"]["block_times_s"])
-            line += ", " + _one_off(first, statistics.median(rounds[label]))
-        out.lines.append(f"{line}; {graphs}")
-    if not child.ok:
-        out.lines.append(f"{child.failure}\nits last lines:\n{child.tail()}")
+            rounds[label] = own_rounds[label] = list(row["timing"]["block_times_s"])
     if len({len(r) for r in rounds.values()}) > 1:  # not one comparison: keep the variants of the longest
         longest = max(len(r) for r in rounds.values())
         rounds = {k: r for k, r in rounds.items() if len(r) == longest}
@@ -183,17 +180,33 @@ def read_hf_child(child, new_tokens: int, *, record: str | None = None) -> HFChi
                   "rounds: ours has a figure of its own here)")
         if record:
             out.comparison.record({record: (out.best_hf, "rate")})
-    else:
+    for entry in lines:  # a call of the rounds: the comparison's one number per variant (its table's), where it has one
+        if isinstance(entry, str):
+            out.lines.append(entry)
+            continue
+        label, first, graphs = entry
+        line = f"{label}: first call {bench.format_seconds(first)}"
+        if out.comparison is not None and label in out.comparison.variants:
+            line += ", " + _one_off(first, out.comparison.time_s(label))
+        elif label in own_rounds:  # timed in an earlier comparison only: its own median
+            line += ", " + _one_off(first, statistics.median(own_rounds[label]))
+        out.lines.append(f"{line}; {graphs}")
+    if not child.ok:
+        out.lines.append(f"{child.failure}\nits last lines:\n{child.tail()}")
+    if out.comparison is None:
         out.lines.append("Hugging Face generate was not timed against ours in this run: the lines above say why")
     return out
 
 
 def _one_off(first_s: float, call_s: float) -> str:
-    """A first call against a steady call of the same variant: what the first one cost beyond a call, or that it
-    cost about a call (within half a call's time)."""
+    """A first call against a steady call of the same variant: what the first one cost beyond a call, that it cost
+    about a call (within half a call's time either way), or that it took less than one (a host busier during the
+    rounds than during the first call)."""
     if first_s > 1.5 * call_s:
         return (f"{bench.format_seconds(first_s - call_s)} more than a call in the child's rounds "
                 f"({bench.format_seconds(call_s)}): one-off costs")
+    if first_s < 0.5 * call_s:
+        return f"less than a call in the child's rounds ({bench.format_seconds(call_s)})"
     return f"about a call's time in the child's rounds ({bench.format_seconds(call_s)})"
 
 
@@ -269,11 +282,12 @@ class BatchSweep:
         at = self.rates[knee]
         grew_s = (at.ms_per_token - one.ms_per_token) / 1e3
         kv, w = self.kv_bytes_at_knee or 0, self.weight_bytes
-        extra = (knee - 1) * self.kv_bytes_per_sequence  # the KV bytes batch 1 does not read
+        # the fewest KV bytes batch 1 does not read, at the average context: a static cache reads its whole buffer
+        extra = (knee - 1) * self.kv_bytes_per_sequence
         there = (f"the step first grows by more than a quarter at batch {knee}: {one.ms_per_token:.3g} → "
                  f"{at.ms_per_token:.3g} ms, {bench.format_seconds(grew_s)} more; its KV caches "
-                 f"({format_bytes(kv)}, {kv / w:.2g}× the weights' {format_bytes(w)}) read {format_bytes(extra)} more "
-                 "than batch 1's")
+                 f"({format_bytes(kv)}, {kv / w:.2g}× the weights' {format_bytes(w)}) read at least "
+                 f"{format_bytes(extra)} more than batch 1's")
         if self.copy_gbps and grew_s > 0:
             extra_s = extra / (self.copy_gbps * 1e9)
             share = extra_s / grew_s
