@@ -106,18 +106,6 @@ def test_read_hf_child_puts_each_first_call_against_a_call_of_the_rounds():
     assert ours.startswith("ours: first call 20 ms, less than a call in the child's rounds (60 ms);")
 
 
-def test_read_hf_child_without_a_final_comparison_puts_a_first_call_against_its_own_rounds():
-    """The static cache's compile ran past the deadline: ours and the dynamic cache keep the fallback's rounds."""
-    result = {"stage": "first call: HF generate, static cache", "variants": {
-        "ours": {"first_call_s": 0.9, "greedy": True, "timing": timing("ours", [0.06, 0.061, 0.062])},
-        "HF generate, dynamic cache": {"first_call_s": 18.6, "greedy": True, "timing": timing("d", [2.9, 2.8, 2.85])},
-        "HF generate, static cache": {}}}
-    hf = inference.read_hf_child(child(None, result, timed_out=True), 256)
-    assert hf.comparison is not None and hf.comparison.variants == ["ours", "HF generate, dynamic cache"]
-    assert hf.lines[2] == "HF generate, static cache: its first call did not finish"
-    assert f"({bench.format_seconds(hf.comparison.time_s('ours'))})" in hf.lines[0]
-
-
 def test_read_hf_child_without_ours_in_its_comparison_gives_a_line_not_a_key_error():
     """Ours failed in the child, both Hugging Face variants were timed: their comparison stands, ours has no verdict."""
     result = {"stage": isolate.DONE, "variants": {
@@ -131,7 +119,8 @@ def test_read_hf_child_without_ours_in_its_comparison_gives_a_line_not_a_key_err
 
 
 def test_read_hf_child_keeps_the_last_comparison_after_a_deadline_and_says_why():
-    """The child timed ours and the dynamic cache, then died compiling the static cache: that comparison stands."""
+    """The child timed ours and the dynamic cache, then died compiling the static cache: that comparison stands, and
+    each first call is put against a call of its rounds."""
     result = {"stage": "first call: HF generate, static cache", "variants": {
         "ours": {"first_call_s": 1.0, "greedy": True, "timing": timing("ours", [0.06, 0.06, 0.061])},
         "HF generate, dynamic cache": {"first_call_s": 2.0, "greedy": True, "timing": timing("d", [1.5, 1.6, 1.5])},
@@ -139,7 +128,8 @@ def test_read_hf_child_keeps_the_last_comparison_after_a_deadline_and_says_why()
     hf = inference.read_hf_child(child(None, result, timed_out=True), 256)
     assert hf.best_hf == "HF generate, dynamic cache" and set(hf.comparison.variants) == {
         "ours", "HF generate, dynamic cache"}
-    assert "did not finish" in hf.report() and "its first call did not finish" in hf.report()
+    assert "did not finish" in hf.report() and hf.lines[2] == "HF generate, static cache: its first call did not finish"
+    assert f"({bench.format_seconds(hf.comparison.time_s('ours'))})" in hf.lines[0]  # against the fallback's rounds
 
 
 def test_read_hf_child_without_two_timed_variants_compares_nothing_and_a_wrong_token_fails():
