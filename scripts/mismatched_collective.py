@@ -5,19 +5,22 @@
 Rank 0 all-reduces a tensor; every other rank takes another code path (here: it sleeps, as a rank stuck in data
 loading or in a branch the others did not take would) and never calls the all-reduce. Without a timeout rank 0
 would wait forever. With a process group's ``timeout`` (``init_process_group(timeout=...)``, or ``new_group`` as
-here), gloo raises on rank 0 after the timeout and NCCL's watchdog aborts the process: either way torchrun sees a
-failed rank, stops the others, and the launch fails with the timeout named in its output.
+here), the collective fails after the timeout. Under gloo the call raises. NCCL runs collectives asynchronously:
+its watchdog thread notices the timeout and aborts the communicator, but a plain ``torch.cuda.synchronize()`` may
+then return as if the all-reduce had completed (torch 2.11 did), and the process runs on. So rank 0 waits with
+``work.wait(timeout)``, which blocks the calling thread and raises when the timeout passes, under either backend.
+torchrun sees a failed rank, stops the others, and the launch fails with the timeout named in its output.
 
 The default group is joined with the usual timeout (``utils.distributed.setup``): joining also waits for every
 process to start, which on a busy machine can take longer than a few seconds, and a failure there would not be the
 mistake this script makes. All ranks then make the group of the short ``--timeout-s`` together, after a barrier,
 and the mismatched all-reduce runs in it.
 
-How soon NCCL's watchdog ends the process after the timeout depends on what it does first: it signals every rank
-to dump its flight recorder (a record of recent collectives and their stacks, for post-mortem debugging), then
-sleeps 4 × ``TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC`` (15 s by default: a minute) whether or not a dump was asked for.
-The notebook's demonstration runs with ``utils.distributed.FAIL_FAST_NCCL_ENV`` (no dump, a 1 s sleep); a real
-training run keeps the defaults.
+NCCL's watchdog also acts on the timeout: it signals every rank to dump its flight recorder (a record of recent
+collectives and their stacks, for post-mortem debugging), then sleeps 4 × ``TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC``
+(15 s by default: a minute) whether or not a dump was asked for. The notebook's demonstration runs with
+``utils.distributed.FAIL_FAST_NCCL_ENV`` (no dump, a 1 s sleep), so neither delays the exit; a real training run
+keeps the defaults.
 """
 
 import contextlib
@@ -48,9 +51,9 @@ def main() -> None:
         if ctx.rank == 0:
             D.log(ctx, f"rank 0 calls all_reduce; the other rank never will (timeout {args.timeout_s:g} s)")
             t = torch.ones(4, device=ctx.device)
-            dist.all_reduce(t, group=group)
-            if ctx.device.type == "cuda":
-                torch.cuda.synchronize(ctx.device)  # NCCL is asynchronous: wait here until the watchdog fires
+            work = dist.all_reduce(t, group=group, async_op=True)
+            # NCCL is asynchronous: only a wait with a timeout blocks this thread and raises here when it passes
+            work.wait(timeout=datetime.timedelta(seconds=args.timeout_s))
             D.log(ctx, "unreachable: the all-reduce completed")
         else:
             time.sleep(10 * args.timeout_s + 60)  # torchrun stops this rank once rank 0 has failed

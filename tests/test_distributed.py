@@ -913,8 +913,8 @@ def test_checkpoint_saved_on_one_gpu_resumes_on_two_nodes_of_one_gpu(tmp_path):
 
 @needs_two_gpus
 def test_mismatched_collective_times_out_under_nccl_within_seconds():
-    """With FAIL_FAST_NCCL_ENV (as notebook 10 runs it) the watchdog ends rank 0 about a second after the timeout,
-    not after its default minute of waiting for the ranks' flight-recorder dumps."""
+    """Rank 0's ``work.wait(timeout)`` raises at the timeout, and with FAIL_FAST_NCCL_ENV (as notebook 10 runs it)
+    the watchdog's default minute of waiting for the ranks' flight-recorder dumps does not hold up the exit."""
     start = time.perf_counter()
     with pytest.raises(D.LaunchError, match="[Tt]imed out|[Tt]imeout") as err:
         D.launch("mismatched_collective.py", 2, timeout_s=120, echo=False, args=["--device", "cuda", "--timeout-s", 5],
