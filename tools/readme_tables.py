@@ -167,8 +167,8 @@ TARGETS: tuple[Target, ...] = (
     Target("06_custom_kernels", "speedup_cuda_vs_eager", ">=", 2,
            "CUDA C++ kernel ≥ 2× eager, timed in the same rounds"),
     Target("08_inference", "gpt2_tok_s_best", ">=", 4000, "GPT-2 124M at batch 1 ≥ 4,000 tokens/s"),
-    Target("08_inference", "gpt2_tok_s_best / gpt2_tok_s_hf_generate", ">", 1,
-           "GPT-2 decoding ahead of Hugging Face `generate`"),
+    Target("08_inference", "gpt2_speedup_vs_hf_generate", ">", 1,
+           "GPT-2 decoding ahead of Hugging Face `generate` (timed in the same rounds, in one process)"),
     Target("08c_quantization", "int8_speedup_gpt2_xl", ">=", 1.6,
            "GPT-2 XL at batch 1: int8 weight-only ≥ 1.6× the bf16 tokens/s of the same decoder (eager kernels in a "
            "CUDA graph)"),

@@ -545,8 +545,11 @@ def plan(device: torch.device | None = None, *, gpus: int | None = None, nccl: b
     name = gpu_name if gpu_name is not None else (torch.cuda.get_device_name(0) if gpus else "")
     cpu = f"{cpu_processes} gloo processes on the CPU"
     if gpus >= 2 and nccl:
-        return Plan(gpus, "cuda", gpus, "cuda", gpus, f"{gpus} GPUs ({name}) and NCCL: every run uses all {gpus}; the "
-                    f"scaling runs on {', '.join(map(str, gpu_counts(gpus)))} of them.", name)
+        fewer = ", ".join(map(str, gpu_counts(gpus)[:-1]))
+        return Plan(gpus, "cuda", gpus, "cuda", gpus, f"{gpus} GPUs ({name}) and NCCL: the all-reduce, the scaling "
+                    f"and the resumed checkpoint use all {gpus}; the scaling also runs on {fewer}; the timeout "
+                    "demonstration runs 2 processes, and the checkpoint is saved on fewer GPUs than it resumes on.",
+                    name)
     if gpus == 1 and nccl:
         return Plan(1, "cpu", cpu_processes, "cuda", 1, "One GPU: scaling needs a second one, so it is not measured "
                     "here. DDP's own cost is (DDP against the plain model on this GPU). The all-reduce, the timeout, "
@@ -1096,22 +1099,27 @@ def per_call_floor(rows: Sequence[dict[str, Any]], *, on_gpu: bool = True) -> st
     hidden = floor + transfer - took  # how much of the transfer the floor hid
     said += (f", at most twice that up to {format_bytes(end['bytes'])}, which takes {fmt(took)}: "
              f"{fmt(abs(hidden))} {'less' if hidden >= 0 else 'more'} than those {fmt(floor)} plus the "
-             f"{fmt(transfer)} its bytes need at the best bandwidth measured ({best['alg_gbps']:,.3g} GB/s)")
+             f"{fmt(transfer)} its bytes need at the best algorithm bandwidth measured ({best['alg_gbps']:,.3g} GB/s)")
+
+    def below_floor(row: dict[str, Any]) -> bool:  # resolved: 3% under the floor, the two bands (quartiles) apart
+        t, iqr = row["timing"]["median_s"], row["timing"].get("iqr_s", 0.0)
+        return t < floor / 1.03 and t + iqr / 2 < floor - rows[0]["timing"].get("iqr_s", 0.0) / 2
+
     fastest = min(flat[1:], key=lambda r: r["timing"]["median_s"])  # a message of the flat region below the floor
-    if fastest["timing"]["median_s"] < floor:
-        which = ("" if fastest is end else
-                 f" but {format_bytes(fastest['bytes'])} took {fmt(fastest['timing']['median_s'])},")
-        return said + (f" —{which} less than the floor itself: no fixed cost per call fits both times (the cost per "
-                       "call varies from one size to the next), so these times cannot tell a latency before the "
+    if below_floor(fastest):
+        which = ("It" if fastest is end else
+                 f"But {format_bytes(fastest['bytes'])} took {fmt(fastest['timing']['median_s'])},")
+        return said + (f". {which} less than the floor itself: no fixed cost per call fits both times (the cost per "
+                       "call varies from one size to the next). So these times cannot tell a latency before the "
                        "transfer from work per call")
     if hidden < transfer / 2:
-        return said + (" — consistent with a fixed cost before each transfer, which a wall-clock timing cannot place "
-                       "on the host or the device")
+        return said + (". That is consistent with a fixed cost before each transfer, which a wall-clock timing cannot "
+                       "place on the host or the device")
     if on_gpu:
-        return said + (", so most of the transfer overlapped the fixed cost: it is not a latency of the link before "
-                       "the transfer but the host's time to issue each call (PyTorch's and NCCL's work), during which "
-                       "the GPUs finish the previous one")
-    return said + (", so most of the transfer overlapped the fixed cost: it is work per call beside the transfer "
+        return said + (". So most of the transfer overlapped the fixed cost. It is not a latency of the link before "
+                       "the transfer but the host's time to issue each call (PyTorch's and NCCL's work), while the "
+                       "GPUs finish the previous one")
+    return said + (". So most of the transfer overlapped the fixed cost: it is work per call beside the transfer "
                    "(gloo's and PyTorch's), not a latency before it")
 
 
@@ -1225,7 +1233,9 @@ def shortfall(variants: Mapping[str, Mapping[str, Any]], n: int, *, parts: Mappi
 
     parts = parts or {}
     moved = step_verdict(grow_v, parts.get("ddp:1"), parts.get(f"ddp:{n}")).split(" — ", 1)
-    why = f" ({moved[1]})" if len(moved) > 1 and grow_v.outcome in ("faster", "slower") else ""
+    why = f" ({moved[1]})" if len(moved) > 1 and grow_v.outcome in ("faster", "slower") else (
+        " (nothing resolved for the profiles of DDP on 1 and n to explain: they are not compared)"
+        if parts.get("ddp:1") and parts.get(f"ddp:{n}") else "")
     return (f"DDP's own work (DDP against the plain model on one {unit}): {step(own_v)}; from one {unit} to {n}: "
             f"{step(grow_v)}{why}")
 
@@ -1318,8 +1328,12 @@ def no_sync_effect(variants: Mapping[str, Mapping[str, Any]], check: Mapping[str
     hidden = (f"{what}, more than the ±{resolution:.0%} resolved: backward's computation hid them (DDP all-reduces "
               "each bucket while backward goes on)")
     gained_at_least = 1 - 1 / verdict.band[0]  # the share of the step saved, at the low end of the band
+    saved_s = step_s - comparison.time_s("no_sync but the last")
     faster = what + (f"; the step gained {1 - 1 / verdict.speedup:.0%}, more than that: here the skipped all-reduces "
-                     "cost more than their bytes at the measured rate" if gained_at_least > share else "")
+                     "cost more than their bytes at the measured rate" if gained_at_least > share else
+                     f"; the step saved {fmt(saved_s)}, of which their transfer accounts for {fmt(skipped_s)}: the "
+                     "rest is not measured apart here (each synchronised backward also runs DDP's hooks and bucket "
+                     "copies)" if saved_s > 1.25 * skipped_s else "")
     return comparison, verdict.explain(faster=faster, same=what + ": too little to resolve" if share <= resolution
                                        else hidden, inconclusive=f"at stake: {what}")
 
@@ -1550,8 +1564,11 @@ def ring_link_spec(topology: str | None, gpus: int, compute_capability: tuple[in
         links.append((gbps, a, b, entry, what))
     gbps, a, b, entry, what = min(links)
     if len({link[3] for link in links}) == 1:
-        pairs = "GPU0 ↔ GPU1" if gpus == 2 else f"every pair of GPUs 0–{gpus - 1}"
-        return gbps, f"{pairs}: {entry} — {what}"
+        if gpus == 2:
+            return gbps, f"GPU0 ↔ GPU1: {entry} — {what}"
+        shared = " (the same links to every peer: through a switch, shared by all of them)" if \
+            entry.startswith("NV") else ""
+        return gbps, f"GPUs 0–{gpus - 1}, every pair {entry}{shared} — {what}, per GPU"
     return gbps, f"slowest pair GPU{a} ↔ GPU{b}: {entry} — {what}"
 
 

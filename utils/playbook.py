@@ -322,7 +322,10 @@ def profile_change(before: StepProfile, after: StepProfile, *, kind: str | None 
     50.2}``; :func:`host_per_call`) beside the step's launches and its time per launch ("927 launches per step,
     33.2 µs of the step each; host per call: ATen op 11 µs on this CPU"), so that a reader on a faster or slower CPU
     can scale it. A shrink carried by copies ("Memcpy ..."; the other kernels kept their count and changed less) is
-    said as such: "the copies shrank 8.19× (8 → 8 per epoch, ...); the kernels unchanged (...)".
+    said as such: "the copies shrank 8.19× (8 → 8 per epoch, ...); the kernels unchanged (...)". Where the step
+    followed its work (its speed-up within 5% of the work's shrink), the wait is said not to have held the gain back
+    ("..., and the epoch followed (1.22× faster): the GPU's wait for the host (36% of the epoch) did not hold the
+    gain back"), never called host-bound.
     ``waits_for`` says what the GPU waits for when it is not only launches ("the loader's batches and the step's
     launches"). A host-bound
     reading names no cure: the host's pace varies with the process's state (the same step can wait far less in
@@ -374,6 +377,11 @@ def profile_change(before: StepProfile, after: StepProfile, *, kind: str | None 
         steps = min(before.steps, after.steps)
         return text + (f": the {work} work shrank {-change:.0%}, unresolved by a {steps}-step profile (a shift "
                        f"under {UNRESOLVED - 1:.0%} can be the profile's own noise)") + _host_wait(before, after, host)
+    step_ratio = before.wall_s / after.wall_s if after.wall_s > 0 else math.inf
+    if after.idle_fraction >= 0.2 and step_ratio * 1.05 >= shrank:  # the step followed its work: no wait held it
+        return text + f": {_shrank_text(before, after, shrank)}, and the {unit} followed ({_ratio(step_ratio)} " \
+            "faster)" + (f": the GPU's wait for the host ({after.idle_fraction:.0%} of the {unit}) did not hold the " \
+                         "gain back" if gpu else "")
     if after.idle_fraction >= 0.2:
         remedy = ""
         if gpu:
@@ -1199,7 +1207,8 @@ def profile_tables(prof, *, phases: Sequence[str], steps: int, on_gpu: bool) -> 
     window_us = max(k.end_us for k in kernels) - min(k.start_us for k in kernels)
     idle = sum(g.duration_us for g in idle_gaps(kernels, top=len(kernels))) / window_us if window_us > 0 else 0.0
     span = f"Between the first and the last {what[:-1]} of the profile ({format_seconds(window_us / 1e6)})"
-    print(f"{span}, the GPU sat idle {idle:.0%} of the time" if on_gpu else
+    print(f"{span}, the GPU sat idle {idle:.0%} of the time, under the profiler (its bookkeeping slows the host, "
+          "so a host-paced step looks idler here than timed)" if on_gpu else
           f"{span}, {idle:.0%} of the time was spent between operators: Python, dispatch and the profiler's "
           "bookkeeping (on a CPU the host runs the operators too, so nothing waits idle)")
     return idle
