@@ -102,6 +102,9 @@ def test_against_guide_is_the_same_only_inside_the_band():
 
 def test_guide_range_and_compile_pairs():
     assert [bm.guide_range(s) for s in (0.9, 1.3, 2.0, 2.5)] == ["below", "within", "within", "above"]
+    # by the band where there is one: 09b's BERT pair, 1.36× with a band of 1.04–1.51×, is not 'within'
+    assert bm.guide_range(1.36, (1.04, 1.51)) == "across 1.3" and bm.guide_range(1.9, (1.7, 2.2)) == "across 2"
+    assert bm.guide_range(1.5, (1.4, 1.6)) == "within" and bm.guide_range(1.1, (1.0, 1.25)) == "below"
     c = _comparison({"eager": [0.2] * 8, "compiled": [0.1] * 8, "other": [0.4] * 8})
     pair = bm.CompilePair("model", c, "eager", "compiled", 12.4, guide=True)
     row = pair.row()

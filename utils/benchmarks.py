@@ -162,10 +162,19 @@ def against_guide(c: Comparison, variant: str, guide_rate: float, *, comparable:
     return f"{c.rate(variant) / guide_rate:.2f}× the guide's 4090 figure"
 
 
-def guide_range(speedup: float) -> str:
-    """Where a compile speed-up lies against the guide's 1.3–2×: 'below', 'within' or 'above'."""
+def guide_range(speedup: float, band: tuple[float, float] | None = None) -> str:
+    """Where a compile speed-up lies against the guide's 1.3–2×: 'below', 'within' or 'above' — by its whole
+    ``band`` where one is given, so a band across an end of the range reads 'across 1.3' (or 'across 2'), never
+    'within' from the median alone."""
     low, high = GUIDE_COMPILE
-    return "below" if speedup < low else "above" if speedup > high else "within"
+    lo, hi = band if band is not None else (speedup, speedup)
+    if hi < low:
+        return "below"
+    if lo > high:
+        return "above"
+    if low <= lo and hi <= high:
+        return "within"
+    return f"across {low:g}" if lo < low else f"across {high:g}"
 
 
 def hedged(v: Verdict, *, long: bool = False) -> str:
@@ -215,7 +224,7 @@ class CompilePair:
         v = self.verdict
         per_item = {k: format_seconds(s) for k, s in self.per_item_s().items()}
         return {"model": self.name + (" · the guide's setting" if self.guide else ""), **per_item,
-                "speed-up": f"{v.speedup:.2f}×", "verdict": hedged(v), "the guide's 1.3–2×": guide_range(v.speedup),
+                "speed-up": f"{v.speedup:.2f}×", "verdict": hedged(v), "the guide's 1.3–2×": guide_range(v.speedup, v.band),
                 "compile time": f"{max(self.compile_s, 0.0):.0f} s"}
 
 
