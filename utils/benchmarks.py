@@ -224,7 +224,8 @@ class CompilePair:
         v = self.verdict
         per_item = {k: format_seconds(s) for k, s in self.per_item_s().items()}
         return {"model": self.name + (" · the guide's setting" if self.guide else ""), **per_item,
-                "speed-up": f"{v.speedup:.2f}×", "verdict": hedged(v), "the guide's 1.3–2×": guide_range(v.speedup, v.band),
+                "speed-up": f"{v.speedup:.2f}×", "verdict": hedged(v),
+                "the guide's 1.3–2×": guide_range(v.speedup, v.band),
                 "compile time": f"{max(self.compile_s, 0.0):.0f} s"}
 
 
