@@ -418,6 +418,13 @@ def test_headline_names_how_many_gpus_a_run_used():
     one = readme_tables.headline("03_mixed_precision", {"step_ms_fp32": {"value": 59.0, "unit": "ms"},
                                                          "step_ms_bf16": {"value": 14.0, "unit": "ms"}})
     assert one == "step 59 ms fp32 → 14 ms bf16", "a notebook on one GPU: no count"
+    # a speed-up whose band holds 1 (07b's inconclusive ResNet-50 compile) says so; a resolved one does not
+    compile_ = readme_tables.headline("07b_launch_bound", {
+        "cuda_graphs_speedup": {"value": 18.9, "unit": "x", "band": [18.3, 19.8]},
+        "compile_speedup_transformer": {"value": 1.297, "unit": "x", "band": [1.247, 1.353]},
+        "compile_speedup_resnet50": {"value": 1.082, "unit": "x", "band": [0.985, 1.156]}})
+    assert compile_ == ("CUDA graphs 18.9× · compile: Transformer 1.30×, ResNet-50 1.08× (band 0.98–1.16×, which "
+                        "holds 1×)"), compile_
     entry = {"run": _run("now", gpus=2), "figures": payloads}
     assert readme_tables.result_cell("10_multi_gpu", entry, "now").startswith("on 2 GPUs: all-reduce")
     assert readme_tables.result_cell("10_multi_gpu", {**entry, "run": _run("now", shared_host=True)},

@@ -122,7 +122,7 @@ NOTEBOOKS: dict[str, tuple[str, str]] = {
         "a DCP checkpoint resharded",
         "all-reduce {allreduce_busbw_gbps:,.0f} GB/s bus{allreduce_busbw_gbps.of_limit} · DDP 2 GPUs "
         "{ddp_scaling_2gpu:.2f}×, 4 GPUs {ddp_scaling_4gpu:.2f}× · FSDP2 peak memory {fsdp_peak_mem_ratio_vs_ddp:.2f}× "
-        "DDP · two nodes {two_nodes_vs_one_node:.2f}× one",
+        "DDP · two nodes vs one {two_nodes_vs_one_node:.2f}×",
     ),
 }
 
@@ -210,6 +210,15 @@ class _Shown:
         return NOT_RUN if self.result is None else format(self.result.value, spec)
 
     @property
+    def unresolved(self) -> str:
+        """" (band 0.99–1.16×, which holds 1×)" for a speed-up whose band reaches across 1 (inconclusive, or no
+        difference), so a headline never shows it as a plain gain; "" otherwise."""
+        band = self.result.band if self.result is not None else None
+        if not band or not band[0] <= 1 <= band[1]:
+            return ""
+        return f" (band {band[0]:.2f}–{band[1]:.2f}×, which holds 1×)"
+
+    @property
     def of_limit(self) -> str:
         percent = self.result.percent_of_limit if self.result is not None else None
         return "" if percent is None else f" ({percent:.0f}% of {self.result.limit_name})"
@@ -239,7 +248,9 @@ def headline(stem: str, figures: dict[str, dict[str, object]] | None, *, gpus: i
     found = results_of(figures)
     if not set(headline_figures(stem)) & set(found):
         return NOT_RUN
-    text = _present_parts(NOTEBOOKS[stem][1], set(found)).format_map(
+    text = re.sub(r"\{(\w+)(:[^}]*)?\}×", r"{\1\2}×{\1.unresolved}",  # every speed-up: its band where it holds 1
+                  _present_parts(NOTEBOOKS[stem][1], set(found)))
+    text = text.format_map(
         _Figures({name: _Shown(r) for name, r in found.items()}))
     return (f"on {gpus} GPUs: " if gpus > 1 else "") + text
 
