@@ -630,6 +630,11 @@ def test_ring_link_spec_is_the_slowest_link_among_the_gpus():
     spec, what = D.ring_link_spec(mixed, 4, (9, 0))
     assert spec is None and what.startswith("GPU1 ↔ GPU2: PIX"), "a link of unknown rate: no spec, and which"
     assert D.ring_link_spec(None, 4, (9, 0))[0] is None and D.ring_link_spec(TOPOLOGY, 1, (9, 0))[0] is None
+    # nvidia-smi shows the whole machine: a process given GPUs 2 and 3 reads their rows, not GPU0 ↔ GPU1's
+    assert D.ring_link_spec(mixed, 2, (9, 0), 63.0, visible="2,3") == (450.0, "GPU2 ↔ GPU3: NV18 — 18 NVLinks × "
+                                                                             "25 GB/s per direction")
+    assert D.ring_link_spec(mixed, 2, (9, 0), 63.0, visible="1,2")[1].startswith("GPU1 ↔ GPU2: PIX")
+    assert D.ring_link_spec(TOPOLOGY, 2, (9, 0), visible="GPU-uuid-a,GPU-uuid-b")[1].startswith("GPU0 ↔ GPU1")
 
 
 def test_allreduce_rows_and_figure_show_both_bandwidths():

@@ -1549,14 +1549,21 @@ def link_spec_gbps(entry: str | None, compute_capability: tuple[int, int] | None
 
 
 def ring_link_spec(topology: str | None, gpus: int, compute_capability: tuple[int, int] | None,
-                   pcie_gbps: float | None = None) -> tuple[float | None, str]:
-    """The specified bandwidth per direction that bounds an all-reduce over GPUs 0 … ``gpus``−1: the slowest link
-    between any two of them (:func:`link_between`, :func:`link_spec_gbps`), and a phrase saying which. A ring
-    crosses every GPU's links, so no bus bandwidth can beat its slowest one."""
+                   pcie_gbps: float | None = None, visible: str | None = None) -> tuple[float | None, str]:
+    """The specified bandwidth per direction that bounds an all-reduce over the first ``gpus`` GPUs this process
+    sees: the slowest link between any two of them (:func:`link_between`, :func:`link_spec_gbps`), and a phrase
+    saying which. A ring crosses every GPU's links, so no bus bandwidth can beat its slowest one. ``nvidia-smi topo
+    -m`` shows the whole machine whatever ``CUDA_VISIBLE_DEVICES`` says, so where ``visible`` (that variable) lists
+    GPU indices, those rows of the matrix are read (GPUs 2 and 3 for "2,3"); else GPUs 0 … ``gpus``−1."""
     if topology is None or gpus < 2:
         return None, "no link between GPUs here"
+    ids = [v.strip() for v in visible.split(",") if v.strip()] if visible else []
+    devices = [int(v) for v in ids] if ids and all(v.isdigit() for v in ids) else list(range(gpus))
+    devices = devices[:gpus]
+    if len(devices) < 2:
+        return None, "no link between GPUs here"
     links = []
-    for a, b in itertools.combinations(range(gpus), 2):
+    for a, b in itertools.combinations(devices, 2):
         entry = link_between(topology, a, b)
         gbps, what = link_spec_gbps(entry, compute_capability, pcie_gbps)
         if gbps is None:
@@ -1564,11 +1571,13 @@ def ring_link_spec(topology: str | None, gpus: int, compute_capability: tuple[in
         links.append((gbps, a, b, entry, what))
     gbps, a, b, entry, what = min(links)
     if len({link[3] for link in links}) == 1:
-        if gpus == 2:
-            return gbps, f"GPU0 ↔ GPU1: {entry} — {what}"
+        if len(devices) == 2:
+            return gbps, f"GPU{a} ↔ GPU{b}: {entry} — {what}"
         shared = " (the same links to every peer: through a switch, shared by all of them)" if \
             entry.startswith("NV") else ""
-        return gbps, f"GPUs 0–{gpus - 1}, every pair {entry}{shared} — {what}, per GPU"
+        named = (f"GPUs {devices[0]}–{devices[-1]}" if devices == list(range(devices[0], devices[-1] + 1)) else
+                 "GPUs " + ", ".join(map(str, devices)))
+        return gbps, f"{named}, every pair {entry}{shared} — {what}, per GPU"
     return gbps, f"slowest pair GPU{a} ↔ GPU{b}: {entry} — {what}"
 
 
