@@ -396,6 +396,31 @@ def test_targets_read_ratios_percentages_and_other_figures():
     assert {t.notebook for t in readme_tables.TARGETS} <= set(readme_tables.NOTEBOOKS)
 
 
+def test_targets_follow_the_band_not_the_value_alone():
+    def cell(comparison, threshold, value, band, unit="x"):
+        figures = {"f": {"value": value, "unit": unit, "band": list(band)}}
+        return readme_tables.target_cell(readme_tables.Target("x", "f", comparison, threshold, "t"), "h200",
+                                         {"run": _run("now"), "figures": figures}, "now")
+
+    assert cell(">=", 3.6, 3.82, (3.79, 3.85)) == "met (3.8×)"
+    assert cell(">=", 3.6, 3.5, (3.4, 3.55)) == "not met (3.5×)"
+    assert cell(">=", 3.6, 3.62, (3.5, 3.7)) == "unresolved (3.62×, band 3.50–3.70×)"  # the value alone met it
+    assert cell(">=", 3.6, 3.58, (3.5, 3.7)) == "unresolved (3.58×, band 3.50–3.70×)"  # the value alone missed it
+    # "within 5%" of 1: both sides count; a band across the whole range cannot say "not met"
+    assert cell("within", 0.05, 0.99, (0.97, 1.005)) == "met (0.99×)"
+    assert cell("within", 0.05, 1.088, (0.994, 1.183)) == "unresolved (1.09×, band 0.99–1.18×)"
+    assert cell("within", 0.05, 1.12, (1.08, 1.15)) == "not met (1.1×)"
+    assert cell("within", 0.05, 0.9, (0.85, 0.93)) == "not met (0.9×)"
+    assert cell("within", 0.05, 1.0, (0.8, 1.2)) == "unresolved (1.00×, band 0.80–1.20×)"
+    # a figure's % of its limit carries its band across; a time's band turns over (a floor / the time)
+    rate = {"f": {"value": 72.0, "unit": "GB/s", "band": [68.0, 75.0], "limit": {"name": "link", "value": 100.0}}}
+    shown = readme_tables.target_cell(readme_tables.Target("x", "f %", ">=", 70, "t"), "h200",
+                                      {"run": _run("now"), "figures": rate}, "now")
+    assert shown == "unresolved (72.0%, band 68.0–75.0%)"
+    time = {"f": {"value": 2.0, "unit": "ms", "band": [1.9, 2.2], "limit": {"name": "floor", "value": 1.0}}}
+    assert readme_tables.target_value("f %", readme_tables.results_of(time))[2] == pytest.approx((100 / 2.2, 100 / 1.9))
+
+
 def test_each_gpu_gets_its_chart(tmp_path, monkeypatch):
     results_dir = _results_dir(tmp_path, monkeypatch)
     assert [p.name for p in readme_tables.missing_charts(results_dir)] == ["h100.png", "h200.png"]
