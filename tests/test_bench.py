@@ -408,6 +408,13 @@ def test_sweep_checks_every_variant_then_gives_rates_against_a_limit():
     assert "not checked: no reference was given" in str(unchecked)
     with pytest.raises(ValueError, match="increasing order"):
         bench.sweep({"clone": clone, "copy": copy}, [4, 2])
+    # the variant the reference is made from is said to be the reference, not "checked" against itself
+    own = bench.sweep({"clone": clone, "add zero": add_zero}, [1 << 10], reference=reference,
+                      reference_variant="clone", rounds=2, min_run_time=0.01, progress=False)
+    assert own.checked == {"clone": "the reference, not checked: the others are checked against it",
+                           "add zero": "checked against the reference at every size"}
+    with pytest.raises(ValueError, match="reference_variant 'bf16' is not one of"):
+        bench.sweep({"clone": clone, "copy": copy}, [1 << 10], reference=reference, reference_variant="bf16")
 
 
 def test_burst_size_shrinks_until_one_product_fits_the_budget():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -365,6 +366,11 @@ def test_shortfall_splits_the_efficiency_into_ddps_own_work_and_the_step_growth(
     assert flat.endswith("no change beyond ±3% (nothing resolved for the profiles of DDP on 1 and n to explain: they "
                          "are not compared)"), flat
     assert not D.shortfall(runs, 2).endswith(")"), "no profiles: nothing said about them"
+    # neither resolved nor a null: the step's ratio with its band, as every other inconclusive verdict
+    noisy = _ladder([20.0] * 6, {"ddp:1": [20.0, 20.1, 19.9, 20.0, 20.1, 19.9],
+                                 "ddp:2": [19.6, 21.6, 20.0, 21.2, 19.8, 21.0]})
+    text = D.shortfall(noisy, 2)
+    assert re.search(r"from one GPU to 2: the step 1\.0\d× as long, not resolved \(band 0\.9\d–1\.\d\d×\)$", text), text
 
 
 def test_fsdp_against_ddp_gives_the_verdict_the_state_and_the_peaks():
@@ -621,7 +627,13 @@ def test_ring_link_spec_is_the_slowest_link_among_the_gpus():
     assert D.ring_link_spec(TOPOLOGY, 2, (9, 0)) == (450.0, "GPU0 ↔ GPU1: NV18 — 18 NVLinks × 25 GB/s per direction")
     spec, what = D.ring_link_spec(TOPOLOGY_4, 4, (9, 0))
     assert spec == 450.0
-    assert what.startswith("GPUs 0–3, every pair NV18 (the same links to every peer: through a switch"), what
+    assert what.startswith("GPUs 0–3, every pair NV18 (through a switch: 18 × 3 peers is more than the 18 links a "
+                           "GPU has"), what
+    # HGX A100 4-GPU: NV4 straight to each of 3 peers is 12 links, all an A100 has: direct, and rings use them all
+    direct = TOPOLOGY_4.replace("NV18", "NV4")
+    assert D.ring_link_spec(direct, 4, (8, 0)) == (300.0, "GPUs 0–3, every pair NV4 (direct links: 4 to each of 3 "
+                                                          "peers) — 12 NVLinks × 25 GB/s per direction, per GPU")
+    assert "unknown here" in D.ring_link_spec(direct, 4, (8, 9))[1] or D.ring_link_spec(direct, 4, (8, 9))[0] is None
     mixed = TOPOLOGY_4.replace("GPU2\tNV18\tNV18", "GPU2\tNV18\tPIX").replace("GPU1\tNV18\t X \tNV18",
                                                                               "GPU1\tNV18\t X \tPIX")
     assert D.ring_link_spec(mixed, 4, (9, 0), 63.0) == (63.0, "slowest pair GPU1 ↔ GPU2: PIX — PCIe, through at most "

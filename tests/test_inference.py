@@ -168,6 +168,9 @@ def test_batch_sweep_finds_the_knee_and_says_what_grew():
     grew_s = (sweep.rates[8].ms_per_token - sweep.rates[1].ms_per_token) / 1e3
     assert f"read at least {format_bytes(extra)} more than batch 1's" in text
     assert f"those bytes take {bench.format_seconds(extra / 100e9)}, {extra / 100e9 / grew_s:.0%} of the growth" in text
+    share = extra / 100e9 / grew_s
+    assert share < 1 and f"; the other {1 - share:.0%} is not these bytes (not measured apart here)" in text
+    assert "read per step at the average context" in text  # what the KV figure is: bytes read, not buffers
     assert "work of each kernel grew" not in text and "longer caches" not in text  # no cause it did not measure
     one = sweep.rates[1].pct_copy
     assert f"would take {one:.0f}% of its step; something other than the bytes sets the rest" in text

@@ -857,3 +857,34 @@ def test_a_tip_measured_slower_on_the_step_is_named_last_and_marked():
     d = playbook.diagnose(other, findings=only, workload="X")
     assert d.tip.key == "compile" and "(torch.compile(model); measured slower here)" in str(d)
     assert playbook.diagnose(other).tip_name() == "torch.compile"
+
+
+def test_a_gpu_shrink_under_20_percent_is_read_not_called_noise():
+    """07b's Transformer under compile: GPU work 15% less (a GPU's kernel times repeat within 1%), the step faster:
+    the saving is split into its parts; on a CPU the same shrink stays unresolved."""
+    def step(wall_ms, kernels, *, on_gpu=True):
+        laid = gpu_profile(0, kernels).kernels
+        return profile.StepProfile(device="cuda:0" if on_gpu else "cpu", steps=1, wall_s=wall_ms / 1e3, kernels=laid,
+                                   on_gpu=on_gpu)
+
+    eager = step(10.0, [("vectorized_elementwise_kernel", 500, 15.0)])  # 7.5 ms busy
+    compiled = step(8.0, [("triton_poi_fused", 375, 17.0)])  # 6.375 ms busy: 15% less
+    text = playbook.profile_change(eager, compiled)
+    assert "unresolved" not in text and "noise" not in text, text
+    assert text.endswith("the step saved 2 ms: 1.12 ms less GPU work, 875 µs less waiting for the host (500 → 375 "
+                         "kernels per step)"), text
+    on_cpu = [step(p.wall_s * 1e3, [(k.name, 1, k.duration_us) for k in p.kernels], on_gpu=False)
+              for p in (eager, compiled)]
+    assert "unresolved by a 1-step profile" in playbook.profile_change(*on_cpu)
+    # slower, with less GPU work: the shrink as measured, and the host's longer wait beside it
+    slower = step(11.0, [("triton_poi_fused", 375, 17.0)])
+    text = playbook.profile_change(eager, slower)
+    assert ": the GPU work shrank 15%; the GPU's wait for the host went 2.5 ms → 4.62 ms per step" in text, text
+
+
+def test_a_copy_shrink_under_20_percent_stays_unresolved_on_a_gpu():
+    """07's .cuda() vs .to(device): one pageable copy 253 → 228 µs; the host stages it, so its time is not a
+    kernel's steady one."""
+    before = gpu_profile(312, [("Memcpy HtoD (Pageable -> Device)", 1, 253.0)])
+    after = gpu_profile(312, [("Memcpy HtoD (Pageable -> Device)", 1, 228.0)])
+    assert "the GPU work shrank 10%, unresolved by a 1-step profile" in playbook.profile_change(before, after)

@@ -114,6 +114,43 @@ def test_compare_profiles_counts_idle_time_and_says_when_nothing_changed():
         profile.compare_profiles(eager, on_cpu)
 
 
+def test_inductor_kernels_named_after_attention_are_not_attention():
+    """09b's GPT-2 compiled: Inductor's pointwise kernels around SDPA carry its name; the fused kernel is attention."""
+    assert profile.kind_of("triton_poi_fused__scaled_dot_product_flash_attention_view_3") == "other"
+    assert profile.kind_of("triton_per_fused__scaled_dot_product_cudnn_attention_add_1") == "other"
+    assert profile.kind_of("cudnn_generated_fort_native_sdpa_sm80_flash_fprop_wmma_f16") == "attention"
+    assert profile.kind_of("triton_tem_fused_flex_attention_0") == "attention"  # a template that is the attention
+
+
+def test_compare_profiles_does_not_read_idle_time_inside_the_timings_noise():
+    """09's ResNet-50: idle = the timed step less the kernels, so it carries the timing's band; a 1.6 ms change in
+    a step timed to ±2.5 ms is not 'grew most'."""
+    eager = steps_profile([("sm90_xmma_fprop_implicit_gemm", 0.0, 15000.0), ("bn_fw", 15000.0, 38000.0)],
+                          wall_s=55.68e-3)  # 2.68 ms idle
+    compiled = steps_profile([("sm90_xmma_fprop_implicit_gemm", 0.0, 14540.0), ("triton_poi_fused_add", 14540.0,
+                                                                               21500.0)], wall_s=40.3e-3)  # 4.26 ms
+    read = profile.compare_profiles(eager, compiled)
+    assert "GPU idle time grew most (2.68 ms → 4.26 ms" in read  # without the noise: read as growth
+    text = profile.compare_profiles(eager, compiled, idle_noise_s=2.5e-3)
+    assert "GPU idle time grew most" not in text
+    assert "GPU idle time 2.68 ms → 4.26 ms: a change within the timings' bands (±2.5 ms), not read" in text
+    assert "other kernels shrank most" in text and "no kind of time grew" in text
+    assert "attention may be lowered" not in text  # a ResNet has no attention kernel to lower
+    with pytest.raises(ValueError, match="idle_noise_s"):
+        profile.compare_profiles(eager, compiled, idle_noise_s=-1.0)
+
+
+def test_compare_profiles_says_when_the_compiled_step_saved_nothing():
+    """09b's bf16 batch-256 pair: the compile lost, so 'fusion can save in the rest' alone would mislead."""
+    eager = steps_profile([("nvjet_hsh_256x128", 0.0, 27600.0), ("flash_fwd_kernel", 27600.0, 2000.0)], wall_s=31e-3)
+    lost = steps_profile([("nvjet_hsh_256x128", 0.0, 34500.0), ("triton_poi_fused_softmax", 34500.0, 3000.0)],
+                         wall_s=38e-3)
+    text = profile.compare_profiles(eager, lost)
+    assert "(attention may be lowered to other kernels), so fusion can save mostly in the rest; here the compiled " \
+           "step saved nothing overall" in text
+    assert "saved nothing" not in profile.compare_profiles(lost, eager, names=("compiled", "eager"))
+
+
 def test_profile_steps_on_cpu_lists_top_level_operators_and_saves_a_trace(tmp_path):
     layer = torch.nn.Linear(64, 64)
     x = torch.randn(32, 64)

@@ -442,8 +442,8 @@ def results_section(results: dict, sources: dict[str, str]) -> str:
                        f"(results/{gpu}.png)" for gpu in gpus)
     files = " · ".join(f"[`results/{gpu}.json`](results/{gpu}.json)" for gpu in gpus)
     return ("\n".join(rows) + footnotes(cells)
-            + "\n\n**Course targets**, per GPU (measured in the notebooks, never asserted in a test; \"unresolved\" where "
-              "the figure's band reaches across the target):\n\n"
+            + "\n\n**Course targets**, per GPU (measured in the notebooks, never asserted in a test; \"unresolved\" "
+              "where the figure's band reaches across the target):\n\n"
             + targets_table(results, sources)
             + "\n\nEach GPU's headline figures as a percentage of the limit recorded with them:\n\n" + charts
             + f"\n\nEvery recorded figure, with its band, its limit and the run it came from: {files}.")

@@ -856,6 +856,7 @@ def sweep(
     sizes: Sequence[int],
     *,
     reference: Callable[[int], object] | None = None,
+    reference_variant: str | None = None,
     check: Callable[[object, object], None] | None = None,
     bytes_moved: Callable[[int], float] | None = None,
     flops: Callable[[int], float] | None = None,
@@ -879,19 +880,24 @@ def sweep(
         reference: a function of the size that returns the expected output; every variant's output at every size is
             checked against it before timing (``check``, default ``torch.testing.assert_close``). Without it the
             sweep says that nothing was checked.
+        reference_variant: the variant whose output ``reference`` returns (e.g. bf16 against fp8): checking it would
+            compare it with itself, so it is not checked and is said to be the reference.
         bytes_moved / flops: the work of one call as a function of the size (→ GB/s or TFLOP/s).
         limit, limit_name: the rate to put every point against (a :class:`Rate` measured here, or a number).
         rounds, min_run_time, resolution: per size, as in :func:`compare`.
         record: ``{figure name: variant}``: records that variant's rate at the largest size (with the limit).
 
     Raises:
-        ValueError: for no sizes, sizes out of order, fewer than two variants, or a variant whose output differs
-            from the reference (the message names the variant and the size).
+        ValueError: for no sizes, sizes out of order, fewer than two variants, a ``reference_variant`` that is not
+            one of them, or a variant whose output differs from the reference (the message names the variant and
+            the size).
     """
     if not sizes or list(sizes) != sorted(sizes):
         raise ValueError(f"sweep() needs sizes in increasing order, got {list(sizes)}")
     if len(factories) < 2:
         raise ValueError("sweep() needs at least two variants")
+    if reference_variant is not None and reference_variant not in factories:
+        raise ValueError(f"sweep(): reference_variant {reference_variant!r} is not one of {list(factories)}")
     check = check or (lambda actual, expected: torch.testing.assert_close(actual, expected))
     comparisons = []
     steps = sizes
@@ -904,6 +910,8 @@ def sweep(
         if reference is not None:
             expected = reference(size)
             for name, fn in fns.items():
+                if name == reference_variant:
+                    continue
                 try:
                     check(fn(), expected)
                 except AssertionError as err:
@@ -914,7 +922,8 @@ def sweep(
                                    bytes_moved=bytes_moved(size) if bytes_moved else None,
                                    flops=flops(size) if flops else None, progress=False))
         del fns
-    checked = {name: ("checked against the reference at every size" if reference is not None
+    checked = {name: ("the reference, not checked: the others are checked against it" if name == reference_variant
+                      else "checked against the reference at every size" if reference is not None
                       else "not checked: no reference was given") for name in factories}
     result = Sweep(list(sizes), comparisons, checked, size_label, format_size, title)
     if record:

@@ -144,8 +144,10 @@ def repeated(fn: Callable[[], object], times: int) -> Callable[[], list]:
 
 
 def against_guide(c: Comparison, variant: str, guide_rate: float, *, comparable: bool = True) -> str:
-    """This run's rate of ``variant`` against the guide's one figure: "the same as the guide's 4090 figure, within
-    this run's band" where it lies inside the band of the variant's rate, else how many times it. ``comparable``
+    """This run's rate of ``variant`` against the guide's one figure: where it lies inside the band of the
+    variant's rate, "the same as the guide's 4090 figure, within this run's band" if that band is within the
+    comparison's resolution (±3%) of the rate, else "no different from … at this run's resolution (band …)" — a
+    wide band holds the figure without showing the two equal; outside the band, how many times it. ``comparable``
     False (a CPU, a small model): says the two are not comparable.
 
     Raises:
@@ -157,8 +159,13 @@ def against_guide(c: Comparison, variant: str, guide_rate: float, *, comparable:
         return "not comparable (a CPU, with a small model)"
     slow_s, fast_s = c.time_band_s(variant)[::-1]
     slowest, fastest = c.work.rate(variant, slow_s), c.work.rate(variant, fast_s)
-    if min(slowest, fastest) <= guide_rate <= max(slowest, fastest):
-        return "the same as the guide's 4090 figure, within this run's band"
+    low, high = min(slowest, fastest), max(slowest, fastest)
+    if low <= guide_rate <= high:
+        rate = c.rate(variant)
+        if high <= rate * (1 + c.resolution) and low >= rate / (1 + c.resolution):
+            return "the same as the guide's 4090 figure, within this run's band"
+        return (f"no different from the guide's 4090 figure at this run's resolution (its band {format_value(low)}–"
+                f"{format_value(high)} holds {format_value(guide_rate)})")
     return f"{c.rate(variant) / guide_rate:.2f}× the guide's 4090 figure"
 
 
@@ -390,9 +397,12 @@ def decode_floor(profile: StepProfile, step_s: float, step_bytes: float, copy_gb
     if per_call > 0.3 * step_s:
         return (f"{head} — short of the memory limit, and one {what[:-1]} call takes {format_seconds(per_call)} "
                 f"of the step: {_short(top, 70)}")
-    return (f"{head} — short of the memory limit: the bytes explain only {pct:.0f}% of the step, the rest is "
-            f"per-{what[:-1]} time ({format_seconds(step_s / n)} per {what[:-1]}: the step's time ÷ its {n:.0f} "
-            f"{what}); fewer, fused {what} per token would take it further, more bandwidth would not")
+    rest_s = max(step_s - bytes_s, 0.0)
+    return (f"{head} — short of the memory limit: the bytes explain only {pct:.0f}% of the step; the rest, "
+            f"{format_seconds(rest_s)}, is {format_seconds(rest_s / n)} per {what[:-1]} over its {n:.0f} {what}"
+            + (f" (they overlap {profile.overlap:.1f}×: a share of the step, not each one's own cost)"
+               if profile.overlap > 1.05 else "")
+            + f"; more bandwidth could shorten at most the bytes' {pct:.0f}%")
 
 
 # ── Cross-checks and the chart ────────────────────────────────────────────────────────────────────────────────

@@ -1228,8 +1228,8 @@ def shortfall(variants: Mapping[str, Mapping[str, Any]], n: int, *, parts: Mappi
     def step(v: Verdict) -> str:
         times = f"{1 / v.speedup:.2f}×"
         return {"slower": f"the step {times} as long", "faster": f"the step {times} as long",
-                "same": f"no change beyond ±{v.resolution:.0%}"}.get(v.outcome, f"the step {times} as long, not "
-                                                                            "resolved")
+                "same": f"no change beyond ±{v.resolution:.0%}"}.get(
+            v.outcome, f"the step {times} as long, not resolved (band {1 / v.band[1]:.2f}–{1 / v.band[0]:.2f}×)")
 
     parts = parts or {}
     moved = step_verdict(grow_v, parts.get("ddp:1"), parts.get(f"ddp:{n}")).split(" — ", 1)
@@ -1525,6 +1525,9 @@ def link_between(topology: str, a: int = 0, b: int = 1) -> str | None:
 #: GPU Architecture whitepaper). Any other GPU: unknown, rather than a generation's rate that may not be its own.
 NVLINK_GBPS_PER_LINK = {(6, 0): 20.0, (7, 0): 25.0, (7, 5): 25.0, (8, 0): 25.0, (8, 6): 14.0625, (9, 0): 25.0,
                         (10, 0): 50.0, (10, 3): 50.0}
+#: NVLinks one GPU has, by compute capability (P100 4, V100 6, A100 12, GA102 bridge 4, H100/H200 and B200 18): an
+#: ``NV#`` to every peer whose sum exceeds it must go through a switch (:func:`ring_link_spec`).
+NVLINK_LINKS_PER_GPU = {(6, 0): 4, (7, 0): 6, (7, 5): 2, (8, 0): 12, (8, 6): 4, (9, 0): 18, (10, 0): 18, (10, 3): 18}
 
 
 def link_spec_gbps(entry: str | None, compute_capability: tuple[int, int] | None,
@@ -1573,11 +1576,20 @@ def ring_link_spec(topology: str | None, gpus: int, compute_capability: tuple[in
     if len({link[3] for link in links}) == 1:
         if len(devices) == 2:
             return gbps, f"GPU{a} ↔ GPU{b}: {entry} — {what}"
-        shared = " (the same links to every peer: through a switch, shared by all of them)" if \
-            entry.startswith("NV") else ""
         named = (f"GPUs {devices[0]}–{devices[-1]}" if devices == list(range(devices[0], devices[-1] + 1)) else
                  "GPUs " + ", ".join(map(str, devices)))
-        return gbps, f"{named}, every pair {entry}{shared} — {what}, per GPU"
+        match = re.fullmatch(r"NV(\d+)", entry)
+        owned = NVLINK_LINKS_PER_GPU.get(tuple(compute_capability)) if compute_capability else None
+        if match is None:
+            return gbps, f"{named}, every pair {entry} — {what}, per GPU"
+        peers, per_pair = len(devices) - 1, int(match.group(1))
+        if owned is not None and per_pair * peers <= owned:  # direct links to every peer: rings use all of them
+            return (gbps * peers, f"{named}, every pair {entry} (direct links: {per_pair} to each of {peers} peers) "
+                                  f"— {per_pair * peers} NVLinks × {gbps / per_pair:g} GB/s per direction, per GPU")
+        if owned is not None:  # more links to its peers than the GPU has: they go through a switch
+            return gbps, (f"{named}, every pair {entry} (through a switch: {per_pair} × {peers} peers is more than "
+                          f"the {owned} links a GPU has, so all peers share them) — {what}, per GPU")
+        return gbps, f"{named}, every pair {entry} (direct or through a switch: unknown here) — {what}, per GPU"
     return gbps, f"slowest pair GPU{a} ↔ GPU{b}: {entry} — {what}"
 
 

@@ -286,13 +286,15 @@ class BatchSweep:
         extra = (knee - 1) * self.kv_bytes_per_sequence
         there = (f"the step first grows by more than a quarter at batch {knee}: {one.ms_per_token:.3g} → "
                  f"{at.ms_per_token:.3g} ms, {bench.format_seconds(grew_s)} more; its KV caches "
-                 f"({format_bytes(kv)}, {kv / w:.2g}× the weights' {format_bytes(w)}) read at least "
+                 f"({format_bytes(kv)} read per step at the average context, {kv / w:.2g}× the weights' "
+                 f"{format_bytes(w)}) read at least "
                  f"{format_bytes(extra)} more than batch 1's")
         if self.copy_gbps and grew_s > 0:
             extra_s = extra / (self.copy_gbps * 1e9)
             share = extra_s / grew_s
             there += (f": at the copy bandwidth those bytes take {bench.format_seconds(extra_s)}, {share:.0%} of the "
-                      "growth" + (", so they alone can account for it" if share >= 1 else ""))
+                      "growth" + (", so they alone can account for it" if share >= 1 else
+                                  f"; the other {1 - share:.0%} is not these bytes (not measured apart here)"))
         lines.append(there)
         return lines
 

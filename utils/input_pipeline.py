@@ -494,8 +494,8 @@ class LoaderSweep:
             keeps = f"{best} workers supply about as much, within the loader's noise: no margin to spare"
         else:
             keeps = f"it trains {train_rate / self.rate(best):.2f}× what the loader supplies at best"
-        text = (f"the DataLoader supplies at most {self.rate(best):,.0f} images/s, with {best} worker"
-                f"{'s' * (best != 1)}; the step trains {train_rate:,.0f}: {keeps}")
+        text = (f"the DataLoader supplies at most {self.rate(best):,.0f} images/s in batches of {self.batch_size}, "
+                f"with {best} worker{'s' * (best != 1)}; the step trains {train_rate:,.0f}: {keeps}")
         return text + ("" if best == self.counts[0] else f"\n{self.why_short(best)}")
 
     def enough(self, train_rate: float) -> int:

@@ -125,6 +125,9 @@ MATMUL = re.compile(r"gemm|gemv|nvjet|xmma|cutlass|cublas|triton_tem|^aten::(mm|
                     re.IGNORECASE)
 #: Attention kernels and operators (FlashAttention, memory-efficient, cuDNN, SDPA).
 ATTENTION = re.compile(r"flash|fmha|attention|sdpa|scaled_dot_product", re.IGNORECASE)
+#: Inductor's generated pointwise, persistent-reduction and reduction kernels: named after the operators fused into
+#: them (``triton_poi_fused__scaled_dot_product_flash_attention_…``), which makes none of them an attention kernel.
+INDUCTOR_FUSED = re.compile(r"^triton_(poi|per|red)_")
 #: Profiler events that are wrappers, not work (compiled-graph calls, Dynamo frames, profiler steps).
 _WRAPPERS = ("TorchDynamo", "Torch-Compiled", "Pregraph", "AOTDispatcher", "## ", "ProfilerStep", "CompiledFunction")
 
@@ -151,8 +154,9 @@ class Kernel:
 
 def kind_of(name: str) -> str:
     """'matmul', 'attention' or 'other' for a kernel or operator name. Attention first: the fused attention kernels'
-    full names carry their matmul library's (``pytorch_flash::flash_fwd_kernel<…cutlass::bfloat16_t…>``)."""
-    if ATTENTION.search(name):
+    full names carry their matmul library's (``pytorch_flash::flash_fwd_kernel<…cutlass::bfloat16_t…>``). An Inductor
+    pointwise or reduction kernel is 'other' whatever operators its name lists (:data:`INDUCTOR_FUSED`)."""
+    if ATTENTION.search(name) and not INDUCTOR_FUSED.match(name):
         return "attention"
     if MATMUL.search(name):
         return "matmul"
@@ -307,7 +311,7 @@ def _largest_of_kind(p: StepProfile, kind: str) -> str | None:
 
 
 def compare_profiles(before: StepProfile, after: StepProfile, names: tuple[str, str] = ("eager", "compiled"), *,
-                     fusion: bool = True) -> str:
+                     fusion: bool = True, idle_noise_s: float = 0.0) -> str:
     """What changed from ``before`` to ``after``, two profiles of the same work (e.g. eager and compiled), as one
     sentence for a verdict's reason.
 
@@ -315,9 +319,14 @@ def compare_profiles(before: StepProfile, after: StepProfile, names: tuple[str, 
     most and the kind that grew most — matmul, attention or other kernels, or idle time (the differences of
     :meth:`StepProfile.time_by_kind` and :attr:`StepProfile.idle_s`; without kernels overlapping on two streams
     they add up to the change in wall time) — each with its largest kernel in both versions ("the largest in
-    both" when it is the same kernel). Last (``fusion``, for a compile: leave it out for a change of type or batch
-    size, which is no fusion), the share of ``before``'s wall time in matmul kernels: that work stays after
-    compiling, while attention may be lowered to other kernels, so fusion can save mostly in the rest.
+    both" when it is the same kernel). Idle time is the wall time (a timing's median, ``step_s``) less the kernels'
+    time, so it carries the timing's noise: ``idle_noise_s`` (e.g. the half-widths of the two timings' bands,
+    summed) is how far a change of idle time may be that noise; a change within it is never "shrank most" or "grew
+    most", and is said as within the timings' bands. Last (``fusion``, for a compile: leave it out for a change of
+    type or batch size, which is no fusion), the share of ``before``'s wall time in matmul kernels: that work stays
+    after compiling, so fusion can save mostly in the rest (attention, where either profile has attention kernels,
+    may be lowered to other kernels); where ``after`` took no less wall time, it says that the rest saved nothing
+    overall here.
 
     On a CPU the kernels are top-level operators and idle time is the time outside them: Python, dispatch, and the
     C++ code that a compiled graph generates (it runs no operator the profiler sees).
@@ -343,16 +352,28 @@ def compare_profiles(before: StepProfile, after: StepProfile, names: tuple[str, 
                 text += f" — no {a_name} kernel is classed as {kind}: that work runs in kernels of another kind there"
         return text + ")"
 
+    if idle_noise_s < 0:
+        raise ValueError(f"compare_profiles(): idle_noise_s must be >= 0, got {idle_noise_s}")
     deltas = {kind: ta[kind] - tb[kind] for kind in tb}
-    shrank, grew = min(deltas, key=deltas.get), max(deltas, key=deltas.get)
+    idle_within = abs(deltas["idle"]) <= idle_noise_s and deltas["idle"] != 0
+    ranked = {kind: d for kind, d in deltas.items() if not (kind == "idle" and idle_within)}
+    shrank, grew = min(ranked, key=ranked.get), max(ranked, key=ranked.get)
     parts = [f"per {unit}, {b_name} → {a_name}: {before.kernels_per_step:.0f} → {after.kernels_per_step:.0f} {what}, "
              f"{_format_us(before.wall_s * 1e6)} → {_format_us(after.wall_s * 1e6)}",
-             change(shrank, "shrank") if deltas[shrank] < 0 else "no kind of time shrank",
-             change(grew, "grew") if deltas[grew] > 0 else "no kind of time grew"]
+             change(shrank, "shrank") if ranked[shrank] < 0 else "no kind of time shrank",
+             change(grew, "grew") if ranked[grew] > 0 else "no kind of time grew"]
+    if idle_within:
+        parts.append(f"{idle} {_format_us(tb['idle'] * 1e6)} → {_format_us(ta['idle'] * 1e6)}: a change within the "
+                     f"timings' bands (±{_format_us(idle_noise_s * 1e6)}), not read")
     if fusion:
         share = tb["matmul"] / before.wall_s if before.wall_s > 0 else 0.0
-        parts.append(f"matmul {what} take {share:.0%} of {b_name}'s {unit}: that work stays after compiling "
-                     f"(attention may be lowered to other {what}), so fusion can save mostly in the rest")
+        lowered = (f" (attention may be lowered to other {what})"
+                   if before.time_by_kind()["attention"] or after.time_by_kind()["attention"] else "")
+        text = f"matmul {what} take {share:.0%} of {b_name}'s {unit}: that work stays after compiling{lowered}, so " \
+               f"fusion can save mostly in the rest"
+        if after.wall_s >= before.wall_s:
+            text += f"; here the {a_name} {unit} saved nothing overall"
+        parts.append(text)
     return "; ".join(parts)
 
 

@@ -492,7 +492,7 @@ def decode_sweep(
             "allocator" if device.type == "cuda" else
             "peak: weights + the process's resident-memory peak during a decode (to the page, everything it holds)")
     decoder = ("notebook 08's Triton step" if fused_step else "eager kernels") + (
-        ", one CUDA graph per step" if device.type == "cuda" else "")
+        ", one CUDA graph per step" if device.type == "cuda" else "") + f", a {prompt_len}-token prompt"
     return DecodeSweep(results, copy_gbps, names[0], what, names, decoder)
 
 
@@ -776,7 +776,8 @@ def fp8_sweep(to_fp8: Callable, fp8_matmul: Callable, recipes: list[str], *, siz
             raise AssertionError(f"relative error {err:.3g} against bf16's product (at most {FP8_TOLERANCE})")
 
     factories = {"bf16": bf16} | {f"fp8, {r} scales": fp8(r == "row-wise") for r in recipes}
-    result = bench.sweep(factories, sizes, reference=lambda n: bf16(n)(), check=within, flops=lambda n: 2 * n**3,
+    result = bench.sweep(factories, sizes, reference=lambda n: bf16(n)(), reference_variant="bf16", check=within,
+                         flops=lambda n: 2 * n**3,
                          size_label="n (n×n×n product)", rounds=rounds, min_run_time=min_run_time, device=device,
                          title="bf16 against fp8 matmuls")
     if record:
