@@ -224,7 +224,14 @@ def test_verdict_rules_on_crafted_ratios():
     assert v([1.02, 1.05, 1.06, 1.04, 1.05, 1.04]).outcome == "faster"  # band excludes 1, median 1.045 > 1.03
     assert v([1.01, 1.02, 1.05, 1.06, 1.04, 1.02]).outcome == "inconclusive"  # median 1.03: not over 3%
     assert v([0.8, 1.3, 1.0, 1.1, 1.05, 0.9]).outcome == "inconclusive"
-    assert v([0.50, 0.52, 0.51]).outcome == "slower"
+    slow = v([0.50, 0.52, 0.51])  # 3 rounds, every one far beyond the resolution
+    assert slow.outcome == "slower" and slow.text.endswith(", every one of 3 rounds beyond 3%)"), slow.text
+    # notebook 10's two nodes: 3 launches each, one round at 0.99×: its whole range (a 75% interval) is no verdict
+    nodes = v([0.947, 0.894, 0.988])
+    assert nodes.few_rounds and nodes.confidence == pytest.approx(0.75) and nodes.outcome == "inconclusive"
+    assert nodes.text == ("could not resolve a 3% effect here (0.95×, band 0.89–0.99×, 3 rounds: a 75% interval, "
+                          "too few rounds for 95%)"), nodes.text
+    assert not v([0.947, 0.894, 0.988, 0.95, 0.93, 0.96]).few_rounds
     assert v([0.8, 1.3, 1.0, 1.1], resolution=0.4).outcome == "same"
     wide = v([0.8, 1.3, 1.0, 1.1], resolution=0.10)
     assert wide.text.startswith("could not resolve a 10% effect here") and "band 0.80–1.30×" in wide.text

@@ -281,7 +281,11 @@ def test_per_call_floor_tells_host_work_from_a_latency():
     assert "up to 64.00 KiB" in latency and "consistent with a fixed cost before each transfer" in latency
     assert "no flat region" in D.per_call_floor(_rows([10.0, 25.0, 80.0]))
     slower = D.per_call_floor(_rows([10.0, 12.0, 19.0, 30.0, 60.0]))  # 16 KiB: 19 µs > 10 µs + 3.75 µs
-    assert "5.25 µs more than those 10 µs plus the 3.75 µs" in slower and "consistent with a fixed cost" in slower
+    assert "5.25 µs more than those 10 µs plus the 3.75 µs" in slower and "consistent with a fixed cost" not in slower
+    assert "more than a fixed cost plus its transfer" in slower and "cannot isolate a fixed cost per call" in slower
+    # within half its transfer above floor + transfer: still what a fixed cost before the transfer predicts
+    near = D.per_call_floor(_rows([10.0, 12.0, 14.5, 30.0, 60.0]))  # 16 KiB: 14.5 µs ≈ 10 µs + 3.75 µs
+    assert "consistent with a fixed cost before each transfer" in near
     assert "gloo" in D.per_call_floor(_rows(H200_ALLREDUCE_US), on_gpu=False)
     noisy = D.per_call_floor(_rows([415.0, 760.0, 329.0, 900.0, 2000.0]))  # gloo on 2 busy cores
     assert "less than the floor itself" in noisy and "cannot tell" in noisy and "But " not in noisy

@@ -58,6 +58,8 @@ T = TypeVar("T")
 #: The default resolution of a comparison: effects smaller than this are reported as "no difference larger than
 #: 3%" when the band allows it. On a GPU, paired rounds resolve a few percent; a host-bound loop on a busy CPU may not.
 RESOLUTION = 0.03
+#: The coverage a verdict's band must reach before it resolves anything (:class:`Verdict`).
+CONFIDENCE = 0.95
 
 
 # ── One timing ─────────────────────────────────────────────────────────────────────────────────────────────
@@ -289,7 +291,9 @@ class Verdict:
     ``band`` is a confidence interval of the median speed-up (:func:`median_interval`, 95% from 6 rounds up).
     ``outcome`` is "faster" or "slower" (a resolved difference: the band excludes 1 and the median differs from 1
     by more than ``resolution``), "same" (a resolved null: the whole band lies within ± ``resolution``) or
-    "inconclusive" (neither).
+    "inconclusive" (neither). Fewer than 6 rounds give a band of less than 95% coverage (3 rounds: 75%, their
+    whole range): a difference then resolves only where every round lies beyond the resolution (a null, only
+    where every round lies within it, as always), and the text says so, or how much the band holds.
     """
 
     variant: str
@@ -298,19 +302,26 @@ class Verdict:
     band: tuple[float, float]  # a confidence interval of that median (:func:`median_interval`)
     resolution: float
     rounds: int
-    confidence: float = 0.95  # the interval's coverage
+    confidence: float = CONFIDENCE  # the interval's coverage
 
     @property
     def outcome(self) -> Outcome:
         lo, hi = self.band
         r = self.resolution
-        if lo > 1 and self.speedup > 1 + r:
+        if self.few_rounds and (lo > 1 + r or hi < 1 / (1 + r)):  # the band is the whole range: every round beyond
+            return "faster" if lo > 1 else "slower"
+        if not self.few_rounds and lo > 1 and self.speedup > 1 + r:
             return "faster"
-        if hi < 1 and 1 / self.speedup > 1 + r:
+        if not self.few_rounds and hi < 1 and 1 / self.speedup > 1 + r:
             return "slower"
         if lo >= 1 / (1 + r) and hi <= 1 + r:
             return "same"
         return "inconclusive"
+
+    @property
+    def few_rounds(self) -> bool:
+        """Too few rounds (under 6) for the band to reach :data:`CONFIDENCE`: it is then their whole range."""
+        return self.confidence < CONFIDENCE - 1e-9
 
     @property
     def band_text(self) -> str:
@@ -339,11 +350,14 @@ class Verdict:
         """The verdict as a phrase, with the band it rests on."""
         outcome = self.outcome
         if outcome in ("faster", "slower"):
-            return f"{self.short} ({self.band_text})"
+            every = f", every one of {self.rounds} rounds beyond {self.resolution:.0%}" if self.few_rounds else ""
+            return f"{self.short} ({self.band_text}{every})"
         if outcome == "same":
             return f"no difference larger than {self.resolution:.0%} ({_near_one_text(self.speedup)}, {self.band_text})"
+        few = (f": a {self.confidence:.0%} interval, too few rounds for {CONFIDENCE:.0%}"
+               if self.confidence < CONFIDENCE - 1e-9 else "")
         return (f"could not resolve a {self.resolution:.0%} effect here ({_near_one_text(self.speedup)}, "
-                f"{self.band_text}, {self.rounds} rounds)")
+                f"{self.band_text}, {self.rounds} rounds{few})")
 
     def explain(self, **reasons: str) -> str:
         """The verdict followed by the measured reason given for *its* outcome, e.g.
@@ -384,7 +398,7 @@ def verdict_from_ratios(variant: str, baseline: str, ratios: Sequence[float], *,
     return Verdict(variant, baseline, statistics.median(ratios), (low, high), resolution, len(ratios), confidence)
 
 
-def median_interval(values: Sequence[float], confidence: float = 0.95) -> tuple[float, float, float]:
+def median_interval(values: Sequence[float], confidence: float = CONFIDENCE) -> tuple[float, float, float]:
     """A distribution-free confidence interval of the median: ``(low, high, coverage)``.
 
     The k-th smallest and k-th largest values bound the median with probability 1 − 2·P(Binomial(n, ½) < k),

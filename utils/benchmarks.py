@@ -434,11 +434,12 @@ def cross_check(value: float, *, notebook: str, figure: str, gpu: str, results_d
                 tolerance: float = 0.2, earlier: str = "") -> CrossCheck:
     """This run's ``value`` against ``figure`` of ``notebook``'s reference run on the same kind of GPU (from
     ``results_dir``, matched by :func:`utils.env.gpu_slug`): one sentence with both numbers, their ratio, and which
-    run it was (its GPU, date and torch, from the run record where there is one). Apart by more than ``tolerance``
-    (20%), it says so and lists what can part two runs of the same step — it cannot tell which one applies, so it
-    names none as the cause; ``earlier`` names what this process ran before the timing (e.g. "a compile and a Triton
-    build"), which joins the list. Without such a figure, it says there is nothing to compare with. Returns a
-    :class:`CrossCheck` (its ``note`` goes beside the figure where the runs disagree)."""
+    run it was (its GPU, date and torch, from the run record where there is one). Apart by more than a factor
+    ``1 + tolerance`` either way (1.2: 0.82× and 1.22× are both apart), it says so and lists what can part two runs
+    of the same step — it cannot tell which one applies, so it names none as the cause; ``earlier`` names what this
+    process ran before the timing (e.g. "a compile and a Triton build"), which joins the list. Without such a
+    figure, it says there is nothing to compare with. Returns a :class:`CrossCheck` (its ``note`` goes beside the
+    figure where the runs disagree)."""
     entry = reference_results(results_dir).get(gpu_slug(gpu), {}).get(notebook)
     payload = (entry or {}).get("figures", {}).get(figure)
     number = notebook.split("_")[0]
@@ -457,11 +458,12 @@ def cross_check(value: float, *, notebook: str, figure: str, gpu: str, results_d
     if abs(math.log(ratio)) > math.log(1 + tolerance):
         compiles = f"compiles earlier in the process (this one ran {earlier})" if earlier else \
             "compiles earlier in either process"
-        return CrossCheck(text + f" — apart by more than {tolerance:.0%}: the two runs differ in something that "
+        return CrossCheck(text + f" — apart by more than a factor {1 + tolerance:g} either way: the two runs "
+                          "differ in something that "
                           f"matters (another process on the host, a profile before the timing, {compiles}, another "
                           "host or GPU model, notebook sources changed since); trust neither until they agree",
                           ratio, False, number)
-    return CrossCheck(text + f" — within {tolerance:.0%}", ratio, True, number)
+    return CrossCheck(text + f" — within a factor {1 + tolerance:g} either way", ratio, True, number)
 
 
 def guide_chart(panels: Sequence[tuple[str, str, Mapping[str, float], Mapping[str, str]]], *, notebook: str,

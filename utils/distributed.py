@@ -1074,8 +1074,10 @@ def per_call_floor(rows: Sequence[dict[str, Any]], *, on_gpu: bool = True) -> st
     measured; a little less, since that bandwidth and the floor include some of each other). If it takes less than
     the floor plus half its transfer time, most of the transfer overlapped the floor, which therefore is not a
     latency before the transfer: on GPUs it is the host's time to issue each call (PyTorch's and NCCL's work), while
-    the GPUs finish the previous one. Otherwise the times are consistent with a fixed cost before each transfer,
-    which a wall-clock timing cannot place on the host or the device. A message of the flat region faster than the
+    the GPUs finish the previous one. If it takes clearly more than the floor plus its transfer (by over half the
+    transfer and a tenth of the floor), the bytes moved below the best bandwidth at that size and no fixed cost can
+    be read. Otherwise the times are consistent with a fixed cost before each transfer, which a wall-clock timing
+    cannot place on the host or the device. A message of the flat region faster than the
     floor itself (the last one or any before it) says only that the cost per call is not one fixed amount: no fixed
     cost fits both times, and the rows cannot tell a latency from work per call.
 
@@ -1112,6 +1114,9 @@ def per_call_floor(rows: Sequence[dict[str, Any]], *, on_gpu: bool = True) -> st
         return said + (f". {which} less than the floor itself: no fixed cost per call fits both times (the cost per "
                        "call varies from one size to the next). So these times cannot tell a latency before the "
                        "transfer from work per call")
+    if hidden < -max(transfer / 2, 0.1 * floor):  # slower than a fixed cost plus the transfer at the best rate
+        return said + (". That is more than a fixed cost plus its transfer: at this size the bytes move well below "
+                       "the best bandwidth, so these times cannot isolate a fixed cost per call")
     if hidden < transfer / 2:
         return said + (". That is consistent with a fixed cost before each transfer, which a wall-clock timing cannot "
                        "place on the host or the device")

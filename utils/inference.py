@@ -235,6 +235,7 @@ class BatchSweep:
     verdicts: dict[int, bench.Verdict] = field(default_factory=dict)  # each batch's step against batch 1's
     kv_bytes_per_sequence: int = 0  # one sequence's keys and values at the average context
     copy_gbps: float | None = None  # the copy bandwidth measured in the same run
+    kv_buffer_bytes_per_sequence: int = 0  # its whole cache buffer, which a static cache reads (masked) every step
     GROWTH = 1.25
 
     def _resolved(self, batch: int) -> bool:
@@ -281,20 +282,25 @@ class BatchSweep:
             return lines
         at = self.rates[knee]
         grew_s = (at.ms_per_token - one.ms_per_token) / 1e3
-        kv, w = self.kv_bytes_at_knee or 0, self.weight_bytes
-        # the fewest KV bytes batch 1 does not read, at the average context: a static cache reads its whole buffer
-        extra = (knee - 1) * self.kv_bytes_per_sequence
+        w = self.weight_bytes
+        # the KV bytes a step reads: at least the average context's; a static cache reads its whole buffer, masked
+        low, high = self.kv_bytes_per_sequence, max(self.kv_buffer_bytes_per_sequence, self.kv_bytes_per_sequence)
+
+        def span(a: float, b: float, fmt) -> str:
+            return fmt(a) if fmt(a) == fmt(b) else f"{fmt(a)}–{fmt(b)}"
+
         there = (f"the step first grows by more than a quarter at batch {knee}: {one.ms_per_token:.3g} → "
-                 f"{at.ms_per_token:.3g} ms, {bench.format_seconds(grew_s)} more; its KV caches "
-                 f"({format_bytes(kv)} read per step at the average context, {kv / w:.2g}× the weights' "
-                 f"{format_bytes(w)}) read at least "
-                 f"{format_bytes(extra)} more than batch 1's")
+                 f"{at.ms_per_token:.3g} ms, {bench.format_seconds(grew_s)} more; its KV caches read "
+                 f"{span(knee * low, knee * high, format_bytes)} per step (the average context to the whole buffer, "
+                 f"which a static cache reads masked; {span(knee * low / w, knee * high / w, lambda v: f'{v:.2g}')}× "
+                 f"the weights' {format_bytes(w)}), {span((knee - 1) * low, (knee - 1) * high, format_bytes)} more "
+                 "than batch 1's")
         if self.copy_gbps and grew_s > 0:
-            extra_s = extra / (self.copy_gbps * 1e9)
-            share = extra_s / grew_s
-            there += (f": at the copy bandwidth those bytes take {bench.format_seconds(extra_s)}, {share:.0%} of the "
-                      "growth" + (", so they alone can account for it" if share >= 1 else
-                                  f"; the other {1 - share:.0%} is not these bytes (not measured apart here)"))
+            lo_s, hi_s = ((knee - 1) * b / (self.copy_gbps * 1e9) for b in (low, high))
+            there += (f": at the copy bandwidth those bytes take {span(lo_s, hi_s, bench.format_seconds)}, "
+                      f"{span(lo_s / grew_s, hi_s / grew_s, lambda v: f'{v:.0%}')} of the growth"
+                      + (", so they alone can account for it" if lo_s >= grew_s else
+                         "; the rest is not these bytes (not measured apart here)"))
         lines.append(there)
         return lines
 
@@ -313,8 +319,9 @@ class BatchSweep:
 def batch_sweep(by_batch: bench.Comparison, model: gpt2.GPT2, batches: Sequence[int], *, prompt: int,
                 new_tokens: int, copy_gbps: float | None) -> BatchSweep:
     """A :class:`BatchSweep` from a comparison of decode steps alone (``new_tokens − 1`` steps per call, variants
-    ``"batch {b}"``, batch 1 among them), bytes counted at the average context, each batch judged against batch 1
-    in the comparison's own rounds.
+    ``"batch {b}"``, batch 1 among them), bytes counted at the average context (and, at the knee, up to the whole
+    cache buffer of ``prompt + new_tokens`` positions, which a static cache reads masked), each batch judged against
+    batch 1 in the comparison's own rounds.
 
     Raises:
         ValueError: without batch 1 among ``batches``.
@@ -328,7 +335,9 @@ def batch_sweep(by_batch: bench.Comparison, model: gpt2.GPT2, batches: Sequence[
     context = prompt + new_tokens // 2
     weights = gpt2.bytes_per_decode_step(model, 0, context)
     per_sequence = gpt2.bytes_per_decode_step(model, 1, context) - weights
-    sweep = BatchSweep(rates, growth, None, weights, verdicts, per_sequence, copy_gbps)
+    buffer = gpt2.bytes_per_decode_step(model, 1, prompt + new_tokens) - gpt2.bytes_per_decode_step(
+        model, 0, prompt + new_tokens)
+    sweep = BatchSweep(rates, growth, None, weights, verdicts, per_sequence, copy_gbps, buffer)
     if sweep.knee is not None:
         sweep.kv_bytes_at_knee = gpt2.bytes_per_decode_step(model, sweep.knee, context) - weights
     return sweep
