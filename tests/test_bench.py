@@ -530,3 +530,14 @@ def test_a_median_near_one_prints_with_the_digits_of_its_band():
     assert same.text == "no difference larger than 3% (0.996×, band 0.995–0.998×)"
     unresolved = Verdict("a", "b", 1.004, (0.97, 1.05), 0.03, 12)
     assert "(1.004×, band 0.97–1.05×, 12 rounds)" in unresolved.text
+
+
+def test_a_ratio_in_a_verdict_keeps_its_side_of_every_edge():
+    """10's 1 → 4 step: band top 1.0303 printed '1.03' read as inside ±3% where it is not."""
+    assert bench.near_edge_text(1.0303) == "1.0303×" and bench.near_edge_text(1.0297) == "1.0297×"
+    assert bench.near_edge_text(1.005) == "1.005×"  # near 1: three decimals, never "1.00"
+    assert bench.near_edge_text(1.62) == "1.62×" and bench.near_edge_text(0.5) == "0.50×"
+    assert bench.near_edge_text(1.096, resolution=0.1) == "1.096×"  # the edge follows the resolution
+    assert bench.near_edge_text(0.0012) == "0.0012×" and bench.near_edge_text(11401) == "11,401×"
+    # the slower edge, 1/1.03 = 0.97087: 0.9712 lies inside it and must not read "0.97"; 0.9706 lies beyond it
+    assert bench.near_edge_text(0.9712) == "0.971×" and bench.near_edge_text(0.9706) == "0.97×"

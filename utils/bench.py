@@ -273,10 +273,17 @@ def ratio_text(x: float) -> str:
     return f"{x:.2f}×" if x >= 0.1 else f"{x:.2g}×"
 
 
-def _near_one_text(x: float) -> str:
-    """A ratio with three decimals near 1, so that a band that excludes 1 never reads "1.00", and a median prints
-    with the digits of its band."""
-    return f"{x:.3f}×" if 0.99 <= x <= 1.01 and x != 1 else ratio_text(x)
+def near_edge_text(x: float, resolution: float = RESOLUTION) -> str:
+    """A ratio in a verdict: three decimals near 1, so that a band that excludes 1 never reads "1.00" and a median
+    prints with the digits of its band; and as many decimals (up to 4) as keep it on its side of every edge the
+    verdict reads — 1, 1 + ``resolution`` and 1 / (1 + ``resolution``) — so that 1.0303 never reads "1.03"."""
+    edges = (1.0, 1 + resolution, 1 / (1 + resolution))
+    digits = 3 if 0.99 <= x <= 1.01 and x != 1 else 2
+    if x < 0.1 or x >= 1000:
+        return ratio_text(x)
+    while digits < 4 and any(x != e and (x - e) * (round(x, digits) - e) <= 0 for e in edges):
+        digits += 1
+    return f"{x:.{digits}f}×"
 
 
 # ── The verdict of a comparison ────────────────────────────────────────────────────────────────────────────
@@ -331,7 +338,7 @@ class Verdict:
         if self.outcome == "slower":
             lo, hi = 1 / hi, 1 / lo
 
-        return f"band {_near_one_text(lo).rstrip('×')}–{_near_one_text(hi)}"
+        return f"band {near_edge_text(lo, self.resolution).rstrip('×')}–{near_edge_text(hi, self.resolution)}"
 
     @property
     def short(self) -> str:
@@ -352,12 +359,12 @@ class Verdict:
         if outcome in ("faster", "slower"):
             every = f", every one of {self.rounds} rounds beyond {self.resolution:.0%}" if self.few_rounds else ""
             return f"{self.short} ({self.band_text}{every})"
+        median = near_edge_text(self.speedup, self.resolution)
         if outcome == "same":
-            return f"no difference larger than {self.resolution:.0%} ({_near_one_text(self.speedup)}, {self.band_text})"
-        few = (f": a {self.confidence:.0%} interval, too few rounds for {CONFIDENCE:.0%}"
-               if self.confidence < CONFIDENCE - 1e-9 else "")
-        return (f"could not resolve a {self.resolution:.0%} effect here ({_near_one_text(self.speedup)}, "
-                f"{self.band_text}, {self.rounds} rounds{few})")
+            return f"no difference larger than {self.resolution:.0%} ({median}, {self.band_text})"
+        few = f": a {self.confidence:.0%} interval, too few rounds for {CONFIDENCE:.0%}" if self.few_rounds else ""
+        return (f"could not resolve a {self.resolution:.0%} effect here ({median}, {self.band_text}, {self.rounds} "
+                f"rounds{few})")
 
     def explain(self, **reasons: str) -> str:
         """The verdict followed by the measured reason given for *its* outcome, e.g.

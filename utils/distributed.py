@@ -70,7 +70,7 @@ from typing import Any
 
 import torch
 
-from utils.bench import Comparison, Rate, Timing, Verdict, Work
+from utils.bench import Comparison, Rate, Timing, Verdict, Work, near_edge_text
 from utils.bench import format_seconds as fmt
 from utils.profile import assert_not_profiled
 
@@ -1234,7 +1234,9 @@ def shortfall(variants: Mapping[str, Mapping[str, Any]], n: int, *, parts: Mappi
         times = f"{1 / v.speedup:.2f}×"
         return {"slower": f"the step {times} as long", "faster": f"the step {times} as long",
                 "same": f"no change beyond ±{v.resolution:.0%}"}.get(
-            v.outcome, f"the step {times} as long, not resolved (band {1 / v.band[1]:.2f}–{1 / v.band[0]:.2f}×)")
+            v.outcome, f"the step {times} as long, not resolved (band "
+                       f"{near_edge_text(1 / v.band[1], v.resolution).rstrip('×')}–"
+                       f"{near_edge_text(1 / v.band[0], v.resolution)})")
 
     parts = parts or {}
     moved = step_verdict(grow_v, parts.get("ddp:1"), parts.get(f"ddp:{n}")).split(" — ", 1)
