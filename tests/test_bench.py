@@ -539,5 +539,7 @@ def test_a_ratio_in_a_verdict_keeps_its_side_of_every_edge():
     assert bench.near_edge_text(1.62) == "1.62×" and bench.near_edge_text(0.5) == "0.50×"
     assert bench.near_edge_text(1.096, resolution=0.1) == "1.096×"  # the edge follows the resolution
     assert bench.near_edge_text(0.0012) == "0.0012×" and bench.near_edge_text(11401) == "11,401×"
+    edge = bench.verdict_from_ratios("x", "base", [1.0315, 1.033, 1.0318, 1.032, 1.0316, 1.034, 1.0317, 1.035])
+    assert edge.outcome == "faster" and edge.short == "1.032× faster", edge.short  # never "1.03× faster"
     # the slower edge, 1/1.03 = 0.97087: 0.9712 lies inside it and must not read "0.97"; 0.9706 lies beyond it
     assert bench.near_edge_text(0.9712) == "0.971×" and bench.near_edge_text(0.9706) == "0.97×"

@@ -888,3 +888,11 @@ def test_a_copy_shrink_under_20_percent_stays_unresolved_on_a_gpu():
     before = gpu_profile(312, [("Memcpy HtoD (Pageable -> Device)", 1, 253.0)])
     after = gpu_profile(312, [("Memcpy HtoD (Pageable -> Device)", 1, 228.0)])
     assert "the GPU work shrank 10%, unresolved by a 1-step profile" in playbook.profile_change(before, after)
+
+
+def test_a_wait_under_half_the_step_is_partly_host_bound():
+    """07's channels_last at 25–30% idle: 'partly host-bound', as diagnose() names a step idle under half of it."""
+    before = gpu_profile(30_000, [("sm90_xmma_fprop_implicit_gemm", 100, 270.0)])  # 27 ms busy, 10% idle
+    after = gpu_profile(22_000, [("sm90_xmma_fprop_implicit_gemm", 100, 150.0)])  # 15 ms busy, 32% idle
+    text = playbook.profile_change(before, after)
+    assert "(partly host-bound in these rounds: " in text and "(host-bound" not in text, text

@@ -344,10 +344,10 @@ class Verdict:
     def short(self) -> str:
         """'1.62× faster', '1.18× slower', 'no difference > 3%' or 'inconclusive': for a table column."""
         outcome = self.outcome
-        if outcome == "faster":
-            return f"{ratio_text(self.speedup)} faster"
+        if outcome == "faster":  # by more than the resolution: 1.0315 reads "1.032×", never "1.03×"
+            return f"{near_edge_text(self.speedup, self.resolution)} faster"
         if outcome == "slower":
-            return f"{ratio_text(1 / self.speedup)} slower"
+            return f"{near_edge_text(1 / self.speedup, self.resolution)} slower"
         if outcome == "same":
             return f"no difference > {self.resolution:.0%}"
         return "inconclusive"

@@ -398,7 +398,8 @@ def profile_change(before: StepProfile, after: StepProfile, *, kind: str | None 
         if gpu:
             why = f"the GPU waited for {waits_for}" if waits_for else (
                 "the GPU waited for the host, whose pace can vary within a run")
-            remedy = f" (host-bound in these rounds: {why}" + (f"; {host}" if host else "") + ")"
+            bound = "host-bound" if after.idle_fraction >= 0.5 else "partly host-bound"  # as diagnose() says it
+            remedy = f" ({bound} in these rounds: {why}" + (f"; {host}" if host else "") + ")"
         return (text + f": {_shrank_text(before, after, shrank)}, but {waiting} {after.idle_fraction:.0%} of the "
                        f"{unit}{remedy}")
     return text
