@@ -887,7 +887,11 @@ def test_a_copy_shrink_under_20_percent_stays_unresolved_on_a_gpu():
     kernel's steady one."""
     before = gpu_profile(312, [("Memcpy HtoD (Pageable -> Device)", 1, 253.0)])
     after = gpu_profile(312, [("Memcpy HtoD (Pageable -> Device)", 1, 228.0)])
-    assert "the GPU work shrank 10%, unresolved by a 1-step profile" in playbook.profile_change(before, after)
+    assert "the same copies in both (1 per step)" in playbook.profile_change(before, after)
+    # other copies (pageable, then another pageable one) under 20%: unresolved, never a cause
+    other = gpu_profile(312, [("Memcpy HtoD (Pageable -> Device)", 1, 200.0), ("Memcpy DtoH (Device -> Pageable)", 1,
+                                                                                28.0)])
+    assert "the GPU work shrank 10%, unresolved by a 1-step profile" in playbook.profile_change(before, other)
 
 
 def test_a_wait_under_half_the_step_is_partly_host_bound():
@@ -896,3 +900,24 @@ def test_a_wait_under_half_the_step_is_partly_host_bound():
     after = gpu_profile(22_000, [("sm90_xmma_fprop_implicit_gemm", 100, 150.0)])  # 15 ms busy, 32% idle
     text = playbook.profile_change(before, after)
     assert "(partly host-bound in these rounds: " in text and "(host-bound" not in text, text
+
+
+def test_the_same_copies_in_both_are_not_read_as_a_cause():
+    """07's .cuda() vs .to(device): one identical pageable copy, 253 → 203 µs (1.25×, past the 20% rule)."""
+    before = gpu_profile(312, [("Memcpy HtoD (Pageable -> Device)", 1, 253.0)])
+    after = gpu_profile(280, [("Memcpy HtoD (Pageable -> Device)", 1, 203.0)])
+    text = playbook.profile_change(before, after)
+    assert ": the same copies in both (1 per step); a copy's time follows how the host stages it, so its change is " \
+           "not read as a cause" in text, text
+    assert "shrank 1.25×" not in text
+    pinned = gpu_profile(280, [("Memcpy HtoD (Pinned -> Device)", 1, 60.0)])  # another copy: read as before
+    assert "the same copies" not in playbook.profile_change(before, pinned)
+
+
+def test_a_slower_step_splits_its_loss_into_gpu_work_and_waiting():
+    """07b's determinism: 1.10× slower, GPU work 6% more: 1.7 ms of the 2.9 ms lost; the rest is waiting."""
+    before = gpu_profile(29_000, [("sm90_xmma_fprop_implicit_gemm", 100, 275.0)])  # 27.5 ms busy
+    after = gpu_profile(31_900, [("sm90_xmma_fprop_implicit_gemm", 100, 292.0)])  # 29.2 ms busy: 6% more
+    text = playbook.profile_change(before, after)
+    assert ": the GPU work did not shrink (it grew 6%); the step lost 2.9 ms: 1.7 ms more GPU work, 1.2 ms more " \
+           "waiting for the host" in text, text

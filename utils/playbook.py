@@ -38,6 +38,7 @@ import math
 import os
 import re
 import warnings
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
@@ -374,13 +375,24 @@ def profile_change(before: StepProfile, after: StepProfile, *, kind: str | None 
     shrank = before.busy_s / after.busy_s if after.busy_s > 0 else math.inf
     change = after.busy_s / before.busy_s - 1 if before.busy_s > 0 else 0.0
     if shrank < 1.05:  # under 5%: said as it is, by how much and which way
+        lost, work_lost = after.wall_s - before.wall_s, after.busy_s - before.busy_s
+        split_loss = ""
+        if gpu and lost > 0.03 * before.wall_s and 0 < work_lost < lost:  # slower: the loss in its two parts
+            split_loss = (f"; the {unit} lost {format_seconds(lost)}: {format_seconds(work_lost)} more GPU work, "
+                          f"{format_seconds(lost - work_lost)} more waiting for the host")
         return text + (f": the {work} work did not change" if f"{abs(change):.0%}" == "0%" else
                        f": the {work} work shrank by only {-change:.0%}" if change < 0 else
-                       f": the {work} work did not shrink (it grew {change:.0%})") + _host_wait(before, after, host)
+                       f": the {work} work did not shrink (it grew {change:.0%})") + split_loss + \
+            _host_wait(before, after, host)
     saved, work_saved = before.wall_s - after.wall_s, before.busy_s - after.busy_s
     split = after.idle_fraction >= 0.2 and saved > 0.03 * before.wall_s and saved >= work_saved
     copies = sum(k.duration_us for k in before.kernels if COPY.search(k.name)) / 1e6 / before.steps
     noisy = not gpu or copies >= 0.5 * before.busy_s  # operators on a CPU, or copies that the host stages
+    if gpu and noisy and Counter(k.name for k in before.kernels) == Counter(k.name for k in after.kernels) and \
+            before.steps == after.steps:  # the very same copies: their time follows the host's staging, not the work
+        return text + (f": the same copies in both ({after.kernels_per_step:,.0f} per {unit}); a copy's time "
+                       "follows how the host stages it, so its change is not read as a cause") + \
+            _host_wait(before, after, host)
     if shrank < UNRESOLVED and noisy:  # a shift such a profile cannot tell from its own noise: no cause read
         steps = min(before.steps, after.steps)
         return text + (f": the {work} work shrank {-change:.0%}, unresolved by a {steps}-step profile (a shift "
