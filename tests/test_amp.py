@@ -165,7 +165,8 @@ def test_scaler_cost_prints_what_it_measured_whatever_the_outcome(rounds, outcom
     assert verdict.outcome == outcome
     text = amp.scaler_cost(verdict, SimpleNamespace(busy_s=3e-3, idle_s=10e-3),
                            SimpleNamespace(busy_s=3.2e-3, idle_s=11e-3), syncs=(0, 1))
-    assert "GPU work 3 ms → 3.2 ms per step, GPU idle 10 ms → 11 ms; host synchronisations per step 0 → 1" in text
+    assert ("GPU work 3.00 ms → 3.20 ms per step, GPU idle 10.0 ms → 11.0 ms; host synchronisations per step 0 → 1"
+            in text)
 
 
 def test_step_pace_names_the_side_that_set_the_step():

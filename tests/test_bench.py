@@ -302,6 +302,17 @@ def test_record_inside_the_measuring_call():
     assert results.RECORDED["serial_s"].percent_of_limit == pytest.approx(25)
     rate = results.RECORDED["overlapped_gbps"]
     assert rate.unit == "GB/s" and rate.value == pytest.approx(1.0) and rate.percent_of_limit == pytest.approx(50)
+    assert speed.coverage is None, "6 rounds or more: a 95% band, nothing to say"
+
+
+def test_a_speedup_from_few_rounds_records_its_bands_coverage():
+    """10's two nodes against one: 3 launches a side, a band of their whole range that holds the median 75% of the
+    time — recorded with it, so the README can say so."""
+    few = bench.Comparison.from_rounds({"one": [56.3e-3, 55.4e-3, 60.8e-3], "two": [58.0e-3, 59.6e-3, 57.5e-3]})
+    few.record({"two_vs_one": "two"})
+    recorded = results.RECORDED["two_vs_one"]
+    assert recorded.coverage == pytest.approx(0.75) and recorded.payload()["coverage"] == pytest.approx(0.75)
+    assert "a 75% interval" in str(recorded)
 
 
 def test_bad_comparisons_are_clear_errors():

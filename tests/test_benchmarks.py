@@ -231,7 +231,8 @@ def test_decode_floor_names_the_floor():
     assert "near the memory limit" in bm.decode_floor(near, 1e-3, 2.4e12 * 1e-3 * 0.8, 2400)
     many = _profile([(f"k{i}", 2.0) for i in range(300)], wall_s=1e-3)
     text = bm.decode_floor(many, 1e-3, 2.4e12 * 1e-4, 2400)
-    assert "the bytes explain only 10% of the step; the rest, 900 µs, is 3 µs per kernel over its 300 kernels" in text
+    assert "the bytes explain only 10% of the step; the rest, 900 µs, is 3.00 µs per kernel over its 300 kernels" \
+        in text
     assert text.endswith("more bandwidth could shorten at most the bytes' 10%"), text
     one = _profile([("slow_kernel", 600.0), ("k", 10.0)], wall_s=1e-3)
     assert "slow_kernel" in bm.decode_floor(one, 1e-3, 2.4e12 * 1e-4, 2400)

@@ -190,7 +190,7 @@ def test_costlier_in_16_bits_flags_a_recompute_that_costs_more_than_fp32s():
               "bf16 + ckpt": [34e-3] * 6 + [33e-3, 35e-3]}
     steps = bench.Comparison.from_rounds(rounds)
     text = checkpointing.costlier_in_16_bits(steps, fp32=("fp32", "fp32 + ckpt"), low=("bf16", "bf16 + ckpt"))
-    assert text is not None and "16 ms per step" in text and "9 ms in fp32" in text
+    assert text is not None and "16.0 ms per step" in text and "9.00 ms in fp32" in text
     cheap = dict(rounds, **{"bf16 + ckpt": [21e-3] * 8})  # 3 ms added in 16 bits against 9 ms: as expected
     steps = bench.Comparison.from_rounds(cheap)
     assert checkpointing.costlier_in_16_bits(steps, fp32=("fp32", "fp32 + ckpt"), low=("bf16", "bf16 + ckpt")) is None

@@ -216,7 +216,7 @@ def test_step_parts_split_the_step_and_name_what_grew():
     assert math.isclose(over.compute_s / over.exposed_s, 0.85 / 0.18), "in the profile's proportions"
     assert D.main_change(one, two).startswith("GPU idle")
     sentence = D.step_difference(one, two)
-    assert sentence.startswith("the step is 2.5 ms longer") and "mostly GPU idle" in sentence
+    assert sentence.startswith("the step is 2.50 ms longer") and "mostly GPU idle" in sentence
     assert sentence.index("GPU idle") < sentence.index("communication") < sentence.index("computation +")
     comm_bound = _parts(15.7e-3, 13.2e-3, 2.3e-3)
     assert D.main_change(one, comm_bound).startswith("communication")
@@ -245,7 +245,7 @@ def test_step_parts_not_shown_where_the_profile_does_not_fit_the_timed_step():
         "no bytes on a link (one rank): not checked against them"
     base = _parts(19.4e-3, 12e-3, 0.1e-3)
     sentence = D.step_difference(base, waiting)
-    assert sentence.startswith("the step is 2.3 ms shorter (19.4 ms → 17.1 ms); the 17.1 ms step's profile: the "
+    assert sentence.startswith("the step is 2.30 ms shorter (19.4 ms → 17.1 ms); the 17.1 ms step's profile: the "
                                "profiled steps are not"), "names which of the two profiles did not fit"
     assert "the 17.1 ms step's profile" in D.step_difference(waiting, base), "the base's profile, named as well"
     assert "computation" not in sentence, "no split from a profile that does not fit"
@@ -281,7 +281,7 @@ def test_per_call_floor_tells_host_work_from_a_latency():
     assert "up to 64.00 KiB" in latency and "consistent with a fixed cost before each transfer" in latency
     assert "no flat region" in D.per_call_floor(_rows([10.0, 25.0, 80.0]))
     slower = D.per_call_floor(_rows([10.0, 12.0, 19.0, 30.0, 60.0]))  # 16 KiB: 19 µs > 10 µs + 3.75 µs
-    assert "5.25 µs more than those 10 µs plus the 3.75 µs" in slower and "consistent with a fixed cost" not in slower
+    assert "5.25 µs more than those 10.0 µs plus the 3.75 µs" in slower and "consistent with a fixed cost" not in slower
     assert "more than a fixed cost plus its transfer" in slower and "cannot isolate a fixed cost per call" in slower
     # within half its transfer above floor + transfer: still what a fixed cost before the transfer predicts
     near = D.per_call_floor(_rows([10.0, 12.0, 14.5, 30.0, 60.0]))  # 16 KiB: 14.5 µs ≈ 10 µs + 3.75 µs
@@ -409,8 +409,8 @@ def test_no_sync_effect_gives_the_reason_of_the_outcome_it_has():
     comparison, text = D.no_sync_effect(runs, check, rows, title="t")
     assert comparison.variants == ["all-reduce every micro-batch", "no_sync but the last"]
     assert comparison.verdict().outcome == "same"
-    assert "it skips 36 all-reduces" in text and "4.2 ms at the bandwidth measured for 16.00 MiB messages" in text
-    assert "6% of the 70 ms step" in text and "hid them" in text
+    assert "it skips 36 all-reduces" in text and "4.20 ms at the bandwidth measured for 16.00 MiB messages" in text
+    assert "6% of the 70.0 ms step" in text and "hid them" in text
     # the same outcome with a skipped time within the resolution: too little to show, nothing hidden
     small_runs, small_check = _accumulation([70.0, 70.5, 69.8, 70.2, 70.1, 69.9], [70.1, 70.4, 69.9, 70.2, 70.0, 70.0],
                                             grad_bytes=28e6)
@@ -427,14 +427,22 @@ def test_no_sync_effect_gives_the_reason_of_the_outcome_it_has():
     # the 4 × H200 run: a median gain twice the skipped transfer's, the band's low end below it — the rest is unnamed
     wide = D.no_sync_effect(*_accumulation([70.0, 70.5, 69.8, 70.2, 70.1, 69.9], [60.0, 66.9, 60.2, 66.8, 60.1,
                                                                                   60.0]), rows)[1]
-    assert "the step saved 9.78 ms, of which their transfer accounts for 4.2 ms: the rest is not measured apart" \
+    assert "the step saved 9.78 ms, more than their transfer's at most 4.20 ms: the rest would be DDP's work" \
         in wide and "more than that" not in wide, wide
-    assert "of which their transfer" not in fast, "a saving the transfer explains needs no remainder"
+    assert "more than their transfer's" not in fast, "a saving the transfer explains needs no remainder"
     # inconclusive: what was at stake, no cause
     noisy_runs, noisy_check = _accumulation([70.0, 80.0, 60.0, 75.0, 65.0, 70.0], [75.0, 65.0, 70.0, 60.0, 80.0, 70.0])
     noisy = D.no_sync_effect(noisy_runs, noisy_check, rows)[1]
     assert "inconclusive" in noisy or "could not resolve" in noisy
-    assert "at stake: it skips 36 all-reduces" in noisy
+    assert "at stake: it skips 36 all-reduces" in noisy and "saved" not in noisy, "the median saved nothing"
+    # the 4 × H200 run of read r10: inconclusive, its median saving 3× the transfer — the rest is named, not implied
+    # to be impossible by an "at stake" smaller than the saving
+    unresolved = D.no_sync_effect(*_accumulation([70.0, 70.5, 69.8, 70.2, 70.1, 69.9, 70.0, 70.3, 69.9, 70.1],
+                                                 [59.0, 71.0, 59.5, 70.8, 59.2, 70.6, 59.1, 70.9, 59.3, 70.7]),
+                                  rows)[1]
+    assert "could not resolve" in unresolved, unresolved
+    assert "at stake: it skips 36 all-reduces" in unresolved
+    assert "the median saved" in unresolved and "more than their transfer's at most 4.20 ms" in unresolved
 
 
 def test_checkpoint_rows_and_placement():
@@ -456,10 +464,10 @@ def test_step_verdict_gives_the_reason_of_the_outcome_it_has():
     base, longer = _parts(13.2e-3, 13.0e-3, 0.0), _parts(15.7e-3, 13.2e-3, 0.5e-3)
     slower = verdict_from_ratios("B", "A", [0.84, 0.85, 0.83, 0.84, 0.86, 0.84])
     text = D.step_verdict(slower, base, longer, acts_on=("the exposed communication", 0.1e-3))
-    assert text.startswith("B vs A: 1.19× slower") and "— the step is 2.5 ms longer" in text
+    assert text.startswith("B vs A: 1.19× slower") and "— the step is 2.50 ms longer" in text
     assert "mostly GPU idle" in text
     faster = verdict_from_ratios("A", "B", [1.18, 1.19, 1.2, 1.19, 1.18, 1.19])
-    assert "the step is 2.5 ms shorter" in D.step_verdict(faster, longer, base)
+    assert "the step is 2.50 ms shorter" in D.step_verdict(faster, longer, base)
     assert D.step_verdict(faster, base, longer) == str(faster), "splits that moved the other way: no reason"
     same = verdict_from_ratios("B", "A", [1.0, 1.01, 0.99, 1.0, 1.005, 0.995])
     bound = D.step_verdict(same, base, longer, acts_on=("DDP's own work", 0.2e-3))

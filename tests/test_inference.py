@@ -73,7 +73,7 @@ def test_read_hf_child_builds_one_comparison_against_the_fastest_hf_variant():
     assert hf.best_hf == "HF generate, static cache"
     assert hf.comparison.verdict("ours").outcome == "faster"
     assert hf.comparison.rate("ours") == pytest.approx(256 / 0.0605, rel=0.02)
-    assert "1 compiled, 0 from its cache" in hf.report() and "first call 2 s" in hf.report()
+    assert "1 compiled, 0 from its cache" in hf.report() and "first call 2.00 s" in hf.report()
     assert "child process" in hf.comparison.title and "its own rounds" in hf.comparison.title
     assert hf.verdict_line("ours").startswith("ours vs HF generate, static cache: ")
     assert "faster" in hf.verdict_line("ours") and "whole generation" in hf.verdict_line("ours")
@@ -94,16 +94,16 @@ def test_read_hf_child_puts_each_first_call_against_a_call_of_the_rounds():
     dynamic, static = lines["HF generate, dynamic cache"], lines["HF generate, static cache"]
     # a call is the comparison's one number per variant (its table's per call), not the variant's own median
     call = {label: bench.format_seconds(hf.comparison.time_s(label)) for label in hf.comparison.variants}
-    assert call["HF generate, dynamic cache"] == "2.89 s" and call["ours"] == "60 ms"  # own medians: 2.88 s, 60.5 ms
+    assert call["HF generate, dynamic cache"] == "2.89 s" and call["ours"] == "60.0 ms"  # own medians: 2.88 s, 60.5 ms
     assert "15.7 s more than a call in the child's rounds (2.89 s): one-off costs" in dynamic
     assert dynamic.endswith("no Inductor graph compiled in it")
-    assert "18 s more than a call" in static and static.endswith("1 compiled, 0 from its cache")
-    assert "about a call's time in the child's rounds (60 ms)" in lines["ours"]
+    assert "18.0 s more than a call" in static and static.endswith("1 compiled, 0 from its cache")
+    assert "about a call's time in the child's rounds (60.0 ms)" in lines["ours"]
     assert all(f"({call[label]})" in line for label, line in lines.items())
-    assert lines["ours"].startswith("first call 80 ms") and static.startswith("first call 18.6 s")
+    assert lines["ours"].startswith("first call 80.0 ms") and static.startswith("first call 18.6 s")
     result["variants"]["ours"]["first_call_s"] = 0.02  # a host busier in the rounds than in the first call
     ours = inference.read_hf_child(child(0, result), 256).lines[0]
-    assert ours.startswith("ours: first call 20 ms, less than a call in the child's rounds (60 ms);")
+    assert ours.startswith("ours: first call 20.0 ms, less than a call in the child's rounds (60.0 ms);")
 
 
 def test_read_hf_child_without_ours_in_its_comparison_gives_a_line_not_a_key_error():

@@ -628,7 +628,8 @@ def test_launch_bound_readings_carry_the_hosts_cost_per_launch():
     d = playbook.diagnose(gpu_profile(1000, [("vectorized_elementwise_kernel", 20, 5.0)]),
                           launch_us={"ATen op": 4.2, "compiled call": 11.8})
     assert d.per_kernel_us == pytest.approx(50.0)
-    assert "(50 µs of step time per kernel; host per call: ATen op 4.2 µs, compiled call 11.8 µs on this CPU)" in str(d)
+    assert "(50.0 µs of step time per kernel; host per call: ATen op 4.20 µs, compiled call 11.8 µs on this CPU)" \
+        in str(d)
     busy = playbook.diagnose(gpu_profile(1000, [("ampere_sgemm_128x64_nn", 3, 300.0)]), launch_us={"ATen op": 4.2})
     assert busy.bound == "GPU-bound" and "host:" not in str(busy)  # only where the step waits for the host
     cpu = playbook.diagnose(gpu_profile(1000, [("aten::addmm", 2, 100.0)], on_gpu=False))
@@ -711,15 +712,15 @@ def test_a_host_paced_change_is_read_from_the_hosts_wait_with_its_cost_per_call(
     eager = gpu_profile(1990, [("vectorized_elementwise_kernel", 33, 3.6)])
     compiled = gpu_profile(2410, [("triton_poi_fused", 30, 3.5)])
     text = playbook.profile_change(eager, compiled, launch_us={"ATen op": 11.0, "compiled call": 50.2})
-    assert text.endswith("the GPU's wait for the host went 1.87 ms → 2.3 ms per step: host-bound, the host sets "
-                         "the pace (30 launches per step, 80.3 µs of the step each; host per call: ATen op 11 µs, "
+    assert text.endswith("the GPU's wait for the host went 1.87 ms → 2.30 ms per step: host-bound, the host sets "
+                         "the pace (30 launches per step, 80.3 µs of the step each; host per call: ATen op 11.0 µs, "
                          "compiled call 50.2 µs on this CPU)"), text
     # a resolved shrink that leaves the GPU waiting: the remedy, with the host's cost per call beside it
     nchw = gpu_profile(33_300, [("sm90_xmma_fprop_implicit_gemm", 10, 318.0), ("bn_fw", 100, 243.2)])
     nhwc = gpu_profile(31_500, [("sm90_xmma_fprop_implicit_gemm", 10, 254.0), ("bn_fw", 100, 125.6)])
     shrunk = playbook.profile_change(nchw, nhwc, launch_us={"ATen op": 11.0})
     assert shrunk.endswith("(host-bound in these rounds: the GPU waited for the host, whose pace can vary within a "
-                           "run; 110 launches per step, 286 µs of the step each; host per call: ATen op 11 µs on "
+                           "run; 110 launches per step, 286 µs of the step each; host per call: ATen op 11.0 µs on "
                            "this CPU)"), shrunk
     # no cure is asserted: the host's pace varies within a run, and a profile cannot say what would remove the wait
     assert "only fewer launches" not in shrunk and "CUDA graphs" not in shrunk and "reduce-overhead" not in shrunk
@@ -735,7 +736,7 @@ def test_a_host_paced_change_is_read_from_the_hosts_wait_with_its_cost_per_call(
     to_device.unit = cuda.unit = "copy"
     one = playbook.profile_change(to_device, cuda, launch_us={"ATen op": 10.0})
     assert one.endswith("the GPU's wait for the host went 100 µs → 111 µs per copy (1 launch per copy; host per "
-                        "call: ATen op 10 µs on this CPU)"), one
+                        "call: ATen op 10.0 µs on this CPU)"), one
 
 
 def test_a_shrink_that_is_all_copies_is_said_from_the_counts():
@@ -743,8 +744,8 @@ def test_a_shrink_that_is_all_copies_is_said_from_the_counts():
     pageable = gpu_profile(472_000, [("Memcpy HtoD (Pageable -> Device)", 8, 5_800.0), ("conv_fprop", 100, 1_200.0)])
     pinned = gpu_profile(437_000, [("Memcpy HtoD (Pinned -> Device)", 8, 700.0), ("conv_fprop", 100, 1_190.0)])
     text = playbook.profile_change(pageable, pinned, waits_for="the loader's batches")
-    assert ": the copies shrank 8.29× (8 → 8 per step, 46.4 ms → 5.6 ms); the kernels unchanged (100 → 100 per step, " \
-           "120 ms → 119 ms), but the GPU waits for the host" in text, text
+    assert ": the copies shrank 8.29× (8 → 8 per step, 46.4 ms → 5.60 ms); the kernels unchanged (100 → 100 per " \
+           "step, 120 ms → 119 ms), but the GPU waits for the host" in text, text
     assert "the GPU work shrank" not in text
     # a step that got faster with its wait shrinking too: the saving split into GPU work and waiting, no cause named
     followed = gpu_profile(354_000, [("Memcpy HtoD (Pinned -> Device)", 8, 700.0), ("conv_fprop", 100, 1_190.0)])
@@ -754,7 +755,7 @@ def test_a_shrink_that_is_all_copies_is_said_from_the_counts():
     assert "host-bound" not in text
     # kernels that changed by more than 5%, the copies still carrying most of it: both said, with their counts
     both = gpu_profile(437_000, [("Memcpy HtoD (Pinned -> Device)", 8, 700.0), ("conv_fprop", 100, 1_100.0)])
-    assert "the copies shrank 8.29× (8 → 8 per step, 46.4 ms → 5.6 ms); the kernels shrank 1.09× (100 → 100 per " \
+    assert "the copies shrank 8.29× (8 → 8 per step, 46.4 ms → 5.60 ms); the kernels shrank 1.09× (100 → 100 per " \
            "step, 120 ms → 110 ms)" in playbook.profile_change(pageable, both)
     # kernels that carry most of the change: the work as a whole, as before
     fewer = gpu_profile(300_000, [("Memcpy HtoD (Pinned -> Device)", 8, 700.0), ("conv_fprop", 100, 600.0)])
@@ -871,7 +872,7 @@ def test_a_gpu_shrink_under_20_percent_is_read_not_called_noise():
     compiled = step(8.0, [("triton_poi_fused", 375, 17.0)])  # 6.375 ms busy: 15% less
     text = playbook.profile_change(eager, compiled)
     assert "unresolved" not in text and "noise" not in text, text
-    assert text.endswith("the step saved 2 ms: 1.12 ms less GPU work, 875 µs less waiting for the host (500 → 375 "
+    assert text.endswith("the step saved 2.00 ms: 1.12 ms less GPU work, 875 µs less waiting for the host (500 → 375 "
                          "kernels per step)"), text
     on_cpu = [step(p.wall_s * 1e3, [(k.name, 1, k.duration_us) for k in p.kernels], on_gpu=False)
               for p in (eager, compiled)]
@@ -879,7 +880,7 @@ def test_a_gpu_shrink_under_20_percent_is_read_not_called_noise():
     # slower, with less GPU work: the shrink as measured, and the host's longer wait beside it
     slower = step(11.0, [("triton_poi_fused", 375, 17.0)])
     text = playbook.profile_change(eager, slower)
-    assert ": the GPU work shrank 15%; the GPU's wait for the host went 2.5 ms → 4.62 ms per step" in text, text
+    assert ": the GPU work shrank 15%; the GPU's wait for the host went 2.50 ms → 4.62 ms per step" in text, text
 
 
 def test_a_copy_shrink_under_20_percent_stays_unresolved_on_a_gpu():
@@ -919,5 +920,5 @@ def test_a_slower_step_splits_its_loss_into_gpu_work_and_waiting():
     before = gpu_profile(29_000, [("sm90_xmma_fprop_implicit_gemm", 100, 275.0)])  # 27.5 ms busy
     after = gpu_profile(31_900, [("sm90_xmma_fprop_implicit_gemm", 100, 292.0)])  # 29.2 ms busy: 6% more
     text = playbook.profile_change(before, after)
-    assert ": the GPU work did not shrink (it grew 6%); the step lost 2.9 ms: 1.7 ms more GPU work, 1.2 ms more " \
+    assert ": the GPU work did not shrink (it grew 6%); the step lost 2.90 ms: 1.70 ms more GPU work, 1.20 ms more " \
            "waiting for the host" in text, text

@@ -133,7 +133,7 @@ def test_sweep_reasons_set_the_time_saved_against_what_the_bytes_explain():
     assert reasons(10e-6, 9.5e-6)["faster"].endswith("50% of what the bytes explain: int8 reads at 11% of the copy "
                                                     "bandwidth, bf16 at 20%")
     same = reasons(10e-6, 10e-6)["same"]  # a null result where the bytes predicted 1.11×: said, with the reading rates
-    assert "10% of bf16's 10 µs per token: 1.11× faster had they been read at that bandwidth, which did not show: " \
+    assert "10% of bf16's 10.0 µs per token: 1.11× faster had they been read at that bandwidth, which did not show: " \
         "int8 reads at 10% of the copy bandwidth, bf16 at 20%" in same, same
     assert "under the resolution" in reasons(100e-6, 100e-6)["same"]  # 1 µs of 100: 1.01×
     no_copy = uq.DecodeSweep([], None, "bf16", variants=["bf16", "int8"])

@@ -34,6 +34,15 @@ def test_record_rejects_bad_figures(name, value, unit):
         results.record(name, value, unit)
 
 
+def test_a_coverage_belongs_to_a_band_and_lies_between_0_and_1():
+    with pytest.raises(ValueError, match="coverage is a band's"):
+        results.record("nodes", 0.97, "x", coverage=0.75)
+    with pytest.raises(ValueError, match="coverage is a band's"):
+        results.record("nodes", 0.97, "x", band=(0.9, 1.1), coverage=75)
+    results.record("nodes", 0.97, "x", band=(0.929, 1.058), coverage=0.75)
+    assert results.RECORDED["nodes"].coverage == 0.75
+
+
 RUN = {"date": "2026-11-28", "gpu": "NVIDIA H200", "gpus": 1, "cpus": 16, "torch": "2.11.0+cu130", "cuda": "13.0",
        "wall_s": 126.4, "sources_sha256": "ab" * 32}
 
@@ -75,7 +84,8 @@ def test_a_recorded_payload_reads_back_as_the_same_result():
     rate = results.Result("copy_gbps", 3000.0, "GB/s", band=(2900.0, 3100.0), limit=3350.0, limit_name="the datasheet")
     epoch = results.Result("epoch_s", 0.002, "s", limit=0.001, limit_name="the arithmetic floor")
     plain = results.Result("speedup", 2.0, "x")
-    for result in (rate, epoch, plain):
+    few = results.Result("nodes", 0.97, "x", band=(0.929, 1.058), coverage=0.75)
+    for result in (rate, epoch, plain, few):
         assert results.from_payload(result.name, json.loads(json.dumps(result.payload()))) == result
     assert results.from_payload("epoch_s", epoch.payload()).percent_of_limit == pytest.approx(50)
 

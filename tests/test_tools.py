@@ -412,6 +412,11 @@ def test_targets_follow_the_band_not_the_value_alone():
     assert cell("within", 0.05, 1.12, (1.08, 1.15)) == "not met (1.1×)"
     assert cell("within", 0.05, 0.9, (0.85, 0.93)) == "not met (0.9×)"
     assert cell("within", 0.05, 1.0, (0.8, 1.2)) == "unresolved (1.00×, band 0.80–1.20×)"
+    # a band from 3 rounds covers 75%: the cell says so (10's two nodes against one)
+    few = {"f": {"value": 0.97, "unit": "x", "band": [0.929, 1.058], "coverage": 0.75}}
+    assert readme_tables.target_cell(readme_tables.Target("x", "f", "within", 0.05, "t"), "h200",
+                                     {"run": _run("now"), "figures": few}, "now") == \
+        "unresolved (0.97×, band 0.93–1.06×, a 75% interval)"
     # a figure's % of its limit carries its band across; a time's band turns over (a floor / the time)
     rate = {"f": {"value": 72.0, "unit": "GB/s", "band": [68.0, 75.0], "limit": {"name": "link", "value": 100.0}}}
     shown = readme_tables.target_cell(readme_tables.Target("x", "f %", ">=", 70, "t"), "h200",
@@ -450,6 +455,9 @@ def test_headline_names_how_many_gpus_a_run_used():
         "compile_speedup_resnet50": {"value": 1.082, "unit": "x", "band": [0.985, 1.156]}})
     assert compile_ == ("CUDA graphs 18.9× · compile: Transformer 1.30×, ResNet-50 1.08× (band 0.98–1.16×, which "
                         "holds 1×)"), compile_
+    nodes = readme_tables.headline("10_multi_gpu", {"two_nodes_vs_one_node": {
+        "value": 0.97, "unit": "x", "band": [0.929, 1.058], "coverage": 0.75}})
+    assert "0.97× (band 0.93–1.06×, a 75% interval, which holds 1×)" in nodes, nodes
     entry = {"run": _run("now", gpus=2), "figures": payloads}
     assert readme_tables.result_cell("10_multi_gpu", entry, "now").startswith("on 2 GPUs: all-reduce")
     assert readme_tables.result_cell("10_multi_gpu", {**entry, "run": _run("now", shared_host=True)},

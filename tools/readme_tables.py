@@ -217,7 +217,7 @@ class _Shown:
         band = self.result.band if self.result is not None else None
         if not band or not band[0] <= 1 <= band[1]:
             return ""
-        return f" (band {band[0]:.2f}–{band[1]:.2f}×, which holds 1×)"
+        return f" (band {band[0]:.2f}–{band[1]:.2f}×{coverage_text(self.result)}, which holds 1×)"
 
     @property
     def of_limit(self) -> str:
@@ -350,6 +350,11 @@ def decimals_for(value: float, threshold: float, met: bool, compare) -> int | No
     return 4
 
 
+def coverage_text(result: Result | None) -> str:
+    """", a 75% interval" for a figure whose band covers less than 95% (a verdict from under 6 rounds); "" else."""
+    return "" if result is None or result.coverage is None else f", a {result.coverage:.0%} interval"
+
+
 def target_value(spec: str, found: dict[str, Result]) -> tuple[float, str, tuple[float, float] | None] | None:
     """The value a target's ``figure`` spec names in one notebook's figures, with its unit and its band (None for a
     ratio of two figures, or a figure recorded without one); None if not recorded."""
@@ -406,7 +411,8 @@ def target_cell(target: Target, gpu: str, entry: dict | None, sources: str | Non
         digits = 2 if measured[1] in ("x", "×") else None  # a ratio near 1: 1.09×, never 1.1×
         shown = (f"{with_unit(*measured[:2], digits)}, band "
                  f"{format_value(band[0]) if digits is None else f'{band[0]:.{digits}f}'}–"
-                 f"{with_unit(band[1], measured[1], digits)}")
+                 f"{with_unit(band[1], measured[1], digits)}"
+                 f"{coverage_text(found.get(target.figure.removesuffix(' %').strip()))}")
     else:
         shown = with_unit(*measured[:2], decimals_for(measured[0], threshold[0], outcome == "met", compare))
     return f"{outcome} ({shown}) {marks(entry, sources)}".rstrip()

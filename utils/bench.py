@@ -106,13 +106,18 @@ class Timing:
 
 
 def format_seconds(seconds: float) -> str:
-    """Human units: '812 ns', '3.41 µs', '12.7 ms', '1.93 s'."""
-    if not math.isfinite(seconds):
-        return str(seconds)
-    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
-        if abs(seconds) >= scale:
-            return f"{seconds / scale:.3g} {unit}"
-    return f"{seconds / 1e-9:.3g} ns"
+    """Human units, three significant figures kept (a trailing zero too): '812 ns', '3.41 µs', '58.0 ms', '1.93 s';
+    a value that rounds up to 1,000 of a unit moves to the next ('1.00 ms', never '1e+03 µs')."""
+    if not math.isfinite(seconds) or seconds == 0:
+        return "0 ns" if seconds == 0 else str(seconds)
+    units = (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6), ("ns", 1e-9))
+    for i, (unit, scale) in enumerate(units):
+        if abs(seconds) >= scale or unit == "ns":
+            value = seconds / scale
+            if i and abs(float(f"{value:.3g}")) >= 1000:
+                unit, value = units[i - 1][0], seconds / units[i - 1][1]
+            return (f"{value:,.0f}" if abs(value) >= 999.5 else f"{value:#.3g}".rstrip(".")) + f" {unit}"
+    raise AssertionError("unreachable")
 
 
 def _quartiles(values: Sequence[float]) -> tuple[float, float]:
@@ -670,7 +675,8 @@ class Comparison:
     # ── recording ──
     def record(self, figures: Mapping[str, str | tuple[str, Quantity]]) -> None:
         """Record figures with :func:`utils.results.record`: ``{figure name: variant}`` records the variant's
-        speed-up over the baseline (unit "x", with its band), or for the baseline its time per call (unit "s");
+        speed-up over the baseline (unit "x", with its band, and the band's coverage where few rounds leave it
+        below 95%), or for the baseline its time per call (unit "s");
         ``{figure name: (variant, quantity)}`` picks the quantity: "time", "speedup" or "rate". A rate carries the
         comparison's limit; a time carries it as the least time the work takes at the limit's rate.
 
@@ -691,7 +697,7 @@ class Comparison:
                                limit_name=self.limit_name if floor is not None else None)
             elif quantity == "speedup":
                 v = self.verdict(variant)
-                results.record(name, v.speedup, "x", band=v.band)
+                results.record(name, v.speedup, "x", band=v.band, coverage=v.confidence if v.few_rounds else None)
             elif quantity == "rate":
                 band = self.time_band_s(variant)
                 lo, hi = (self.work.rate(variant, s) for s in reversed(band)) if self.work else (0, 0)

@@ -39,6 +39,7 @@ class Result:
     band: tuple[float, float] | None = None
     limit: float | None = None
     limit_name: str | None = None
+    coverage: float | None = None  # the band's coverage where it is below 95% (too few rounds); None: 95%
 
     @property
     def percent_of_limit(self) -> float | None:
@@ -53,6 +54,8 @@ class Result:
         out: dict[str, object] = {"value": self.value, "unit": self.unit}
         if self.band is not None:
             out["band"] = list(self.band)
+        if self.coverage is not None:
+            out["coverage"] = self.coverage
         if self.limit is not None:
             out["limit"] = {"name": self.limit_name, "value": self.limit}
         return out
@@ -60,7 +63,8 @@ class Result:
     def __str__(self) -> str:
         text = f"recorded {self.name} = {figure(self.value)} {self.unit}"
         if self.band is not None:
-            text += f" (band {figure(self.band[0])}–{figure(self.band[1])})"
+            coverage = f", a {self.coverage:.0%} interval" if self.coverage is not None else ""
+            text += f" (band {figure(self.band[0])}–{figure(self.band[1])}{coverage})"
         if self.limit is not None:
             pct = self.percent_of_limit
             text += f", {pct:.0f}%" if pct >= 10 else f", {pct:.2g}%"
@@ -85,18 +89,21 @@ def _finite(name: str, what: str, value: object) -> float:
 
 
 def record(name: str, value: float, unit: str, *, band: tuple[float, float] | None = None,
-           limit: float | None = None, limit_name: str | None = None) -> None:
+           limit: float | None = None, limit_name: str | None = None, coverage: float | None = None) -> None:
     """Record a headline figure under ``name`` (snake_case, e.g. ``matmul_tflops_bf16``) with its unit.
 
-    ``band``: the (low, high) quartiles it was measured with. ``limit`` and ``limit_name``: the limit measured in
-    the same run that the figure is put against (in the figure's unit), e.g. ``limit=copy.value,
-    limit_name="copy bandwidth"``; the README shows the figure as a percentage of it. Usually called by the
-    measuring call itself (``utils.bench.compare(..., record=...)``, ``Rate.record``). The :class:`Result` is kept in
-    :data:`RECORDED` (nothing is returned, so a cell that ends with this call shows the figure once).
+    ``band``: the (low, high) quartiles it was measured with, or a verdict's interval; ``coverage``: that
+    interval's coverage where it is below 95% (a verdict from fewer than 6 rounds), so the README can say so.
+    ``limit`` and ``limit_name``: the limit measured in the same run that the figure is put against (in the
+    figure's unit), e.g. ``limit=copy.value, limit_name="copy bandwidth"``; the README shows the figure as a
+    percentage of it. Usually called by the measuring call itself (``utils.bench.compare(..., record=...)``,
+    ``Rate.record``). The :class:`Result` is kept in :data:`RECORDED` (nothing is returned, so a cell that ends
+    with this call shows the figure once).
 
     Raises:
         ValueError: for a name that is not snake_case, a value, band or limit that is not a finite number (a NaN
-            or inf headline is a bug upstream), an empty unit, or a limit without its name.
+            or inf headline is a bug upstream), an empty unit, a limit without its name, or a coverage without a
+            band or outside (0, 1).
     """
     if not isinstance(name, str) or not _NAME.match(name):
         raise ValueError(f"result name must be snake_case like 'copy_gbps', got {name!r}")
@@ -105,12 +112,17 @@ def record(name: str, value: float, unit: str, *, band: tuple[float, float] | No
         raise ValueError(f"result {name!r} needs a unit (e.g. 'GB/s', 'ms', 'x'), got {unit!r}")
     if band is not None:
         band = (_finite(name, "the band", band[0]), _finite(name, "the band", band[1]))
+    if coverage is not None:
+        coverage = _finite(name, "the coverage", coverage)
+        if band is None or not 0 < coverage < 1:
+            raise ValueError(f"result {name!r}: a coverage is a band's, between 0 and 1 (0.75 for 3 rounds), got "
+                             f"{coverage} {'with' if band is not None else 'without'} a band")
     if limit is not None:
         limit = _finite(name, "the limit", limit)
         if limit <= 0 or not limit_name:
             raise ValueError(f"result {name!r}: a limit is positive and named (limit_name='copy bandwidth'), "
                              f"got {limit} named {limit_name!r}")
-    result = Result(name, value, unit.strip(), band, limit, limit_name if limit is not None else None)
+    result = Result(name, value, unit.strip(), band, limit, limit_name if limit is not None else None, coverage)
     RECORDED[name] = result
     _show(result)
 
@@ -128,9 +140,11 @@ def from_payload(name: str, payload: dict[str, object]) -> Result:
     """A figure as a results file or a recorded output holds it (``Result.payload()``), as a :class:`Result`."""
     band = payload.get("band")
     limit = payload.get("limit") or {}
+    coverage = payload.get("coverage")
     return Result(name, float(payload["value"]), str(payload["unit"]),
                   (float(band[0]), float(band[1])) if band else None,
-                  float(limit["value"]) if limit else None, limit.get("name") if limit else None)
+                  float(limit["value"]) if limit else None, limit.get("name") if limit else None,
+                  float(coverage) if coverage is not None else None)
 
 
 def read_results_file(path: str | Path) -> dict[str, dict[str, object]]:
