@@ -628,8 +628,9 @@ def test_launch_bound_readings_carry_the_hosts_cost_per_launch():
     d = playbook.diagnose(gpu_profile(1000, [("vectorized_elementwise_kernel", 20, 5.0)]),
                           launch_us={"ATen op": 4.2, "compiled call": 11.8})
     assert d.per_kernel_us == pytest.approx(50.0)
-    assert "(50.0 µs of step time per kernel; host per call: ATen op 4.20 µs, compiled call 11.8 µs on this CPU)" \
-        in str(d)
+    # the step's time per kernel against the bare ATen op: the factor a reader scales by is not 1
+    assert "(50.0 µs of step time per kernel, 11.9× an ATen op; host per call: ATen op 4.20 µs, compiled call " \
+           "11.8 µs on this CPU)" in str(d)
     busy = playbook.diagnose(gpu_profile(1000, [("ampere_sgemm_128x64_nn", 3, 300.0)]), launch_us={"ATen op": 4.2})
     assert busy.bound == "GPU-bound" and "host:" not in str(busy)  # only where the step waits for the host
     cpu = playbook.diagnose(gpu_profile(1000, [("aten::addmm", 2, 100.0)], on_gpu=False))
@@ -713,15 +714,15 @@ def test_a_host_paced_change_is_read_from_the_hosts_wait_with_its_cost_per_call(
     compiled = gpu_profile(2410, [("triton_poi_fused", 30, 3.5)])
     text = playbook.profile_change(eager, compiled, launch_us={"ATen op": 11.0, "compiled call": 50.2})
     assert text.endswith("the GPU's wait for the host went 1.87 ms → 2.30 ms per step: host-bound, the host sets "
-                         "the pace (30 launches per step, 80.3 µs of the step each; host per call: ATen op 11.0 µs, "
-                         "compiled call 50.2 µs on this CPU)"), text
+                         "the pace (30 launches per step, 80.3 µs of the step each, 7.3× an ATen op; host per "
+                         "call: ATen op 11.0 µs, compiled call 50.2 µs on this CPU)"), text
     # a resolved shrink that leaves the GPU waiting: the remedy, with the host's cost per call beside it
     nchw = gpu_profile(33_300, [("sm90_xmma_fprop_implicit_gemm", 10, 318.0), ("bn_fw", 100, 243.2)])
     nhwc = gpu_profile(31_500, [("sm90_xmma_fprop_implicit_gemm", 10, 254.0), ("bn_fw", 100, 125.6)])
     shrunk = playbook.profile_change(nchw, nhwc, launch_us={"ATen op": 11.0})
     assert shrunk.endswith("(host-bound in these rounds: the GPU waited for the host, whose pace can vary within a "
-                           "run; 110 launches per step, 286 µs of the step each; host per call: ATen op 11.0 µs on "
-                           "this CPU)"), shrunk
+                           "run; 110 launches per step, 286 µs of the step each, 26.0× an ATen op; host per call: "
+                           "ATen op 11.0 µs on this CPU)"), shrunk
     # no cure is asserted: the host's pace varies within a run, and a profile cannot say what would remove the wait
     assert "only fewer launches" not in shrunk and "CUDA graphs" not in shrunk and "reduce-overhead" not in shrunk
     # a loader-fed epoch waits for its batches too

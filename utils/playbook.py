@@ -160,7 +160,9 @@ class Diagnosis:
         what a reader on a faster CPU can scale by."""
         what = "kernel" if self.on_gpu else "operator"
         apart = host_per_call(dict(self.launch_us))
-        return f"{format_seconds(self.per_kernel_us / 1e6)} of step time per {what}" + (f"; {apart}" if apart else "")
+        per = times_a_call(self.per_kernel_us / 1e6, dict(self.launch_us))
+        return f"{format_seconds(self.per_kernel_us / 1e6)} of step time per {what}{per}" + (
+            f"; {apart}" if apart else "")
 
     @property
     def tip(self) -> Tip | None:
@@ -300,6 +302,16 @@ def host_per_call(launch_us: Mapping[str, float] | None) -> str:
         " on this CPU"
 
 
+def times_a_call(per_launch_s: float, launch_us: Mapping[str, float] | None) -> str:
+    """", 2.1× an ATen op": a step's time per launch against the first host cost per call measured apart, so a
+    reader does not scale a host-bound step by the bare call alone (a real step's operators cost the host more than
+    ``x + 1``); "" without one."""
+    name, us = next(iter(launch_us.items())) if launch_us else ("", 0.0)
+    if us <= 0:
+        return ""
+    return f", {per_launch_s * 1e6 / us:.1f}× {'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"
+
+
 #: The share of a step's GPU time in NCHW↔NHWC conversions from which :func:`diagnose` names channels_last first.
 LAYOUT_CONVERSION_SHARE = 0.05
 
@@ -357,7 +369,8 @@ def profile_change(before: StepProfile, after: StepProfile, *, kind: str | None 
     if host and after.kernels:  # beside the host's cost per call: the step's launches and its time per launch
         one = round(after.kernels_per_step) == 1  # one launch (a copy): its time per launch is the step's
         calls = ("launch" if one else "launches") if gpu else ("operator" if one else "operators")
-        each = "" if one else f", {format_seconds(after.wall_s / after.kernels_per_step)} of the {unit} each"
+        per = after.wall_s / after.kernels_per_step
+        each = "" if one else f", {format_seconds(per)} of the {unit} each{times_a_call(per, launch_us)}"
         host = f"{after.kernels_per_step:,.0f} {calls} per {unit}{each}; {host}"
     parts = []
     if kind is not None:
