@@ -196,7 +196,7 @@ def test_findings_rows_print_and_chart(capsys):
     assert [r["outcome"] for r in rows] == ["faster", "no difference", "inconclusive", "not measured here",
                                             "yes (behaviour)"]
     assert findings.counts() == ("5 claims: 1 faster, 0 slower, 1 no difference, 1 inconclusive, 1 seen without a "
-                                 "timing (behaviour, costs), 1 not measured here")
+                                 "timing (a behaviour or a cost), 1 not measured here")
     assert len(findings) == 5 and "compile · MLP" in findings and findings["TF32 matmuls"].holds == "yes"
     fig = findings.chart(title="t")
     assert isinstance(fig, matplotlib.figure.Figure)

@@ -752,8 +752,8 @@ class Findings:
         seen = len(self) - len(timed) - skipped
         parts = [f"{timed.count(o)} {w}" for o, w in (("faster", "faster"), ("slower", "slower"),
                                                         ("same", "no difference"), ("inconclusive", "inconclusive"))]
-        return (f"{len(self)} claims: " + ", ".join(parts) + f", {seen} seen without a timing (behaviour, costs), "
-                f"{skipped} not measured here")
+        return (f"{len(self)} claims: " + ", ".join(parts) + f", {seen} seen without a timing (a behaviour or a "
+                f"cost), {skipped} not measured here")
 
     def chart(self, *, title: str):
         """Speed-up per timed claim on a log axis, each with its band (the 95% interval of the median per-round
@@ -1232,7 +1232,7 @@ def profile_tables(prof, *, phases: Sequence[str], steps: int, on_gpu: bool) -> 
     all_us = sum(k.duration_us for k in kernels) or 1.0
     totals = list(range_totals(kernels, ranges).values())
     outside = outside_ranges(kernels, ranges)
-    rows = [{"range": t.name, "on the host": format_seconds(t.span_us / 1e6 / steps) if t.calls else "—",
+    rows = [{"range": t.name, "on the host, profiled": format_seconds(t.span_us / 1e6 / steps) if t.calls else "—",
              f"{work} time of its {what}": format_seconds(t.device_us / 1e6 / steps), what: f"{t.kernels / steps:.0f}",
              f"share of all {work} time": f"{t.device_us / all_us:.0%}"}
             for t in totals + ([outside] if outside else [])]
