@@ -261,11 +261,11 @@ def test_workers_that_fit_in_shared_memory():
     assert ip.workers_that_fit(16, 64, 224, shm_free=0) == 1  # never fewer than one
 
 
-def _sweep(rates, use):
+def _sweep(rates, use, physical_cores=None):
     from utils.bench import Timing
 
     timings = {n: Timing(f"{n}", 1 / r, 0.01 / r, (1.02 / r, 1 / r, 0.98 / r), 1, "cpu") for n, r in rates.items()}
-    return ip.LoaderSweep(timings, use, batch_size=64)
+    return ip.LoaderSweep(timings, use, batch_size=64, physical_cores=physical_cores)
 
 
 def test_loader_sweep_names_the_measured_reason():
@@ -288,6 +288,17 @@ def test_loader_sweep_reads_the_workers_cpu_time():
     dearer = _sweep(rates, {1: ip.CpuUse(16, None, 0.3, 1.0), 2: ip.CpuUse(16, None, 0.3, 2.0),
                             4: ip.CpuUse(16, None, 0.3, 4.0)})
     assert "each image took 1.67× the workers' CPU time it took at 1 worker" in dearer.why_short(4)
+    assert "hyper-threads" in dearer.why_short(4), "the cores behind the CPUs unknown: hyper-threads may be a cause"
+    assert "not rising with the count" not in dearer.why_short(4), "2 workers cost what 1 did: nothing to say"
+    # 09's run on 16 cores without hyper-threads, the host shared: cheaper per image at 4 workers than at 1, dearer
+    # at 8 — not a steady rise, and hyper-threads cannot be the cause
+    bumpy = _sweep({1: 500.0, 4: 2100.0, 8: 2900.0}, {1: ip.CpuUse(16, None, 0.3, 1.0),
+                                                      4: ip.CpuUse(16, None, 0.3, 3.4),
+                                                      8: ip.CpuUse(16, None, 0.3, 7.2)}, physical_cores=16)
+    text = bumpy.why_short(8)
+    assert "each image took 1.24× the workers' CPU time it took at 1 worker, though at 4 workers it took 0.81×: " \
+           "not rising with the count" in text, text
+    assert "other processes on this host" in text and "hyper-threads" not in text
     assert [r["each worker busy"] for r in dearer.rows()] == ["100%"] * 3
     # 4 workers busy 60% of the time at 1.7 ms per image: they waited
     waited = _sweep(rates, {1: ip.CpuUse(16, None, 0.3, 1.0), 2: ip.CpuUse(16, None, 0.3, 2.0),

@@ -418,6 +418,7 @@ class LoaderSweep:
     timings: dict[int, Timing]
     use: dict[int, CpuUse]
     batch_size: int
+    physical_cores: int | None = None  # behind the CPUs this process may use (:func:`cpu_cores`); None: not known
 
     @property
     def counts(self) -> list[int]:
@@ -463,14 +464,26 @@ class LoaderSweep:
         if use.main_cores >= 0.9:
             return (f"{head}: the main process was busy {use.main_cores:.0%} of the time (it collects, pins and "
                     "copies every batch): it sets the pace, not the workers")
-        cause = "shared caches, memory bandwidth, hyper-threads, lower clocks with many cores busy"
+        smt = self.physical_cores is None or self.physical_cores < use.cores  # hyper-threads share a core
+        cause = ("other processes on this host, shared caches, memory bandwidth, "
+                 + ("hyper-threads, " if smt else "") + "lower clocks with many cores busy")
         first, one = self.counts[0], self.use[self.counts[0]]
         if use.children_cores and one.children_cores:  # the workers' CPU seconds per image, against the first count
-            dearer = (use.children_cores / self.rate(workers)) / (one.children_cores / self.rate(first))
+            def cost(n: int) -> float | None:  # CPU seconds per image at n workers, over the first count's
+                u = self.use[n]
+                return None if not u.children_cores else (u.children_cores / self.rate(n)) / (
+                    one.children_cores / self.rate(first))
+
+            dearer = cost(workers)
             busy_each = use.children_cores / workers
             if dearer >= 1.2:
+                between = {n: cost(n) for n in self.counts if first < n < workers and cost(n) is not None}
+                cheapest = min(between, key=between.get, default=None)
+                steady = "" if cheapest is None or between[cheapest] >= 1.0 else (
+                    f", though at {cheapest} workers it took {between[cheapest]:.2f}×: not rising with the count")
                 return (f"{head}: each image took {dearer:.2f}× the workers' CPU time it took at {first} worker"
-                        f"{'s' * (first != 1)}, so the workers slowed each other down ({cause}: not measured which)")
+                        f"{'s' * (first != 1)}{steady}, so each worker did less per CPU second ({cause}: not "
+                        "measured which)")
             if busy_each < 0.8:
                 return (f"{head}: each worker was busy only {busy_each:.0%} of the time, so they waited (for a free "
                         "CPU, for the main process to take their batches, or for their files: not measured which)")
@@ -517,4 +530,4 @@ def loader_sweep(dataset: torch.utils.data.Dataset, counts: Sequence[int], *, ba
     for n in counts:
         timings[n], use[n] = cpu_use(lambda n=n: loader_timing(dataset, workers=n, batch_size=batch_size,
                                                                label=f"{n} workers", **options))
-    return LoaderSweep(timings, use, batch_size)
+    return LoaderSweep(timings, use, batch_size, cpu_cores()[1])
