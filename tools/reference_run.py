@@ -15,7 +15,7 @@ the process could use; ``wall_s`` the seconds from the first cell's start to the
 per-cell timings nbclient and nbmake record, which are then removed). The title cell's Run-time line is rewritten
 from the stamp (``tools.course.run_time_line``; the hash leaves that line out). Every figure the notebook passed
 to ``utils.results.record`` is read from its outputs and written to ``results/<gpu>.json`` with the stamp as the
-run record, ``{notebook stem: {"run": stamp, "figures": {name: {"value", "unit", "band"?, "limit"?}}}}``
+run record, ``{notebook stem: {"run": stamp, "figures": {name: {"value", "unit", "band"?, "coverage"?, "limit"?}}}}``
 (``utils.results.read_results_file``); then README's tables and charts are regenerated.
 
 A failed notebook is left untouched (its partial run goes to --failed-dir if given) and the exit status is 1.
@@ -87,7 +87,7 @@ def machine_stamp(allow_cpu: bool) -> tuple[dict[str, object], str]:
 
 def recorded_results(nb) -> dict[str, dict[str, object]]:
     """Every figure ``utils.results.record`` displayed in an executed notebook, in order (last one wins), as the
-    results file holds it: ``{name: {"value", "unit", "band"?, "limit"?}}``."""
+    results file holds it: ``{name: {"value", "unit", "band"?, "coverage"?, "limit"?}}``."""
     found: dict[str, dict[str, object]] = {}
     for cell in nb.cells:
         for output in cell.get("outputs", []):

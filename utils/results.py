@@ -151,8 +151,9 @@ def read_results_file(path: str | Path) -> dict[str, dict[str, object]]:
     """One GPU's results file: ``{notebook stem: {"run": run record or None, "figures": {name: payload}}}``.
 
     The run record has the fields :data:`RUN_FIELDS`; a payload is ``{"value", "unit"}`` with an optional
-    ``"band": [low, high]`` and ``"limit": {"name", "value"}``. A file in the format from before run records
-    (``{stem: {name: payload}}``, e.g. a reader's older ``t4.json``) reads as entries with ``"run": None``.
+    ``"band": [low, high]``, ``"coverage"`` (the band's, where under 95%) and ``"limit": {"name", "value"}``. A
+    file in the format from before run records (``{stem: {name: payload}}``, e.g. a reader's older ``t4.json``)
+    reads as entries with ``"run": None``.
 
     Raises:
         ValueError: for a file that is not a JSON object of notebook entries.
